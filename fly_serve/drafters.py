@@ -1,0 +1,81 @@
+"""Drafters: each proposes up to row.k tokens per row and, for sampling rows, the distribution q
+each token was drawn from (None: a deterministic proposal, one-hot q).
+
+PLDDrafter  prompt lookup alone (no model).
+ModelDrafter  a small model with its own KV cache. With MLA (multi-level acceleration) each
+  drafter forward also checks a prompt-lookup proposal, exactly as the target checks drafts,
+  so one forward can advance several tokens; without a match it advances one.
+"""
+import torch
+
+from . import pld
+from .rows import Generators, Row
+from .runner import Runner
+from .verify import decide, probs, score
+
+
+class PLDDrafter:
+    def __init__(self, max_n: int = 4, min_n: int = 1):
+        self.max_n, self.min_n = max_n, min_n
+
+    def propose(self, rows: list[Row]):
+        drafts = [pld.propose(r.tokens, r.k, self.max_n, self.min_n) for r in rows]
+        return drafts, [None] * len(rows)
+
+    def release(self, keys):
+        pass
+
+
+class ModelDrafter:
+    def __init__(self, model, n_slots: int = 8, max_n: int = 4, min_n: int = 1):
+        self.runner = Runner(model, n_slots=n_slots)
+        self.max_n, self.min_n = max_n, min_n
+        self.generators = Generators(salt=1)
+        self.forwards = 0  # drafter forwards, all rows together, since start
+        self.hits = 0  # rows whose KV cache this drafter already held (session affinity)
+        self.misses = 0
+
+    def propose(self, rows: list[Row]):
+        cache = self.runner.cache
+        for r in rows:
+            warm = cache.valid(r.key, r.tokens) > 0
+            self.hits += warm
+            self.misses += not warm
+        self.runner.catch_up([r.key for r in rows], [r.tokens for r in rows])
+        drafts = [[] for _ in rows]
+        qs = [[] for _ in rows]
+        active = [b for b, r in enumerate(rows) if r.k > 0]
+        while active:
+            self._step([rows[b] for b in active], [drafts[b] for b in active], [qs[b] for b in active])
+            active = [b for b in active if len(drafts[b]) < rows[b].k]
+        return drafts, [torch.stack(q) if rows[b].sampled else None for b, q in enumerate(qs)]
+
+    def _step(self, rows, drafts, qs):
+        """One batched drafter forward: each row feeds its last token plus a lookup proposal and
+        keeps the proposal's verified prefix and the drafter's next token (extends drafts, qs)."""
+        contexts = [r.tokens + d for r, d in zip(rows, drafts)]
+        proposals = [pld.propose(c, r.k - len(d) - 1, self.max_n, self.min_n) if r.mla else []
+                     for c, r, d in zip(contexts, rows, drafts)]
+        keys = [r.key for r in rows]
+        limits = [len(c) - 1 for c in contexts]
+        logits, _ = self.runner.feed(keys, [c + p for c, p in zip(contexts, proposals)], limits=limits)
+        self.forwards += 1
+        n = torch.tensor([len(p) for p in proposals])
+        proposed = torch.zeros(len(rows), logits.shape[1] - 1, dtype=torch.long)
+        for b, p in enumerate(proposals):
+            proposed[b, :len(p)] = torch.tensor(p, dtype=torch.long)
+        sampled = [(b, None, r.temperature, r.top_p, self.generators.get(r))
+                   for b, r in enumerate(rows) if r.sampled]
+        ok, y = score(logits, proposed, n, sampled)
+        strict = torch.ones(len(rows))
+        accept_len, _ = decide(ok, None, n, theta=strict, window=torch.zeros(len(rows), dtype=torch.long))
+        for b, (r, a) in enumerate(zip(rows, accept_len.tolist())):
+            new = proposals[b][:a] + [int(y[b, a])]
+            room = r.k - len(drafts[b])
+            drafts[b].extend(new[:room])
+            if r.sampled:
+                qs[b].extend(probs(logits[b, i], r.temperature, r.top_p) for i in range(min(a + 1, room)))
+
+    def release(self, keys):
+        self.runner.release(keys)
+        self.generators.release(keys)

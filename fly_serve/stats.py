@@ -1,0 +1,32 @@
+"""Per-request counters, in the vocabulary of verify.py, and the paper's Table 1 time split."""
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class Stats:
+    rounds: int = 0
+    emitted: int = 0  # tokens that reached the output (after max_tokens / EOS cuts)
+    drafted: int = 0
+    accepted: int = 0
+    loosely_accepted: int = 0
+    recovered: int = 0
+    bonus: int = 0
+    draft_s: float = 0.0  # time of the rounds this request took part in, by phase
+    verify_s: float = 0.0
+    decide_s: float = 0.0
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens emitted per round (the paper's acceptance length)."""
+        return self.emitted / self.rounds if self.rounds else 0.0
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["tau"] = round(self.tau, 3)
+        for key in ("draft_s", "verify_s", "decide_s"):
+            d[key] = round(d[key], 4)
+        return d
+
+    def add(self, other: "Stats"):
+        for key, value in asdict(other).items():
+            setattr(self, key, getattr(self, key) + value)

