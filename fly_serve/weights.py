@@ -100,7 +100,7 @@ def _assemble(name: str, spec: _Embedded, out: Path, progress) -> None:
 
 def _convert(gguf: Path, out: Path, progress) -> None:
     """GGUF -> safetensors + tokenizer files in `out`, written atomically."""
-    progress(f"converting {gguf.name} to safetensors (one time, ~40 s)")
+    progress(f"converting {gguf.name} to safetensors (one time, ~1 min)")
     # fp32, not bf16: dequantized GGUF values need not be representable in bf16, and
     # the exactness tests compare against fp32-from-GGUF bit for bit.
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)

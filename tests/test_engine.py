@@ -1,0 +1,128 @@
+"""The engine on tiny random models (fp32): exactness, batching, join/leave, stops, bad input."""
+import pytest
+import torch
+
+from fly_serve import pld
+from fly_serve.drafters import ModelDrafter
+from fly_serve.engine import Engine
+from fly_serve.runner import Runner
+from fly_serve.target import Target
+from tiny import ToyTokenizer, tiny_model
+
+TARGET, DRAFTER = tiny_model(seed=0), tiny_model(seed=1, layers=1)
+PROMPTS = [torch.randint(0, 290, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (3, 8, 13, 21)]
+
+
+def engine(drafter=DRAFTER, **kw):
+    return Engine(Target(TARGET), ModelDrafter(drafter) if drafter is not None else None, ToyTokenizer(),
+                  max_model_len=256, **kw)
+
+
+def generate(prompts=PROMPTS, drafter=DRAFTER, **params):
+    return [r.generated for r in engine(drafter).generate(prompts, dict(max_tokens=30, **params))]
+
+
+AR = generate(mode="ar")
+
+
+def test_runner_matches_transformers_and_rolls_back():
+    runner = Runner(TARGET, n_slots=2, capacity=4)
+    seq = PROMPTS[3]
+    full = TARGET(torch.tensor([seq])).logits[0]
+    runner.feed(["a"], [seq[:10] + [1, 2, 3]])  # three tokens that will be rolled back
+    logits, fed = runner.feed(["a"], [seq])
+    assert fed == [len(seq) - 10]
+    assert torch.allclose(logits[0], full[10:], atol=1e-5)
+
+
+@pytest.mark.parametrize("params", [dict(mode="spd"), dict(mode="fly", theta=1.0), dict(mode="pld"),
+                                    dict(mode="spd", mla=False), dict(mode="spd", k=3)])
+def test_lossless_modes_equal_ar(params):
+    assert generate(**params) == AR
+
+
+def test_drafter_equal_to_target_accepts_everything():
+    reqs = engine(drafter=TARGET).generate(PROMPTS, dict(mode="spd", k=4, max_tokens=25))
+    for r in reqs:
+        assert r.generated == AR[PROMPTS.index(r.tokens[:r.n_prompt])][:25]
+        assert r.stats.rounds == 5 and r.stats.recovered == 0  # 5 + 5 + 5 + 5 + 5 tokens
+        assert r.stats.accepted == r.stats.drafted == 20 and r.stats.bonus == 5
+
+
+def test_batched_equals_alone():
+    for prompt, batched in zip(PROMPTS, generate(mode="fly", theta=0.0, window=1)):
+        assert generate([prompt], mode="fly", theta=0.0, window=1) == [batched]
+
+
+def test_join_and_leave_between_rounds():
+    eng = engine()
+    first = eng.add(PROMPTS[0], dict(mode="spd", max_tokens=30))
+    short = eng.add(PROMPTS[1], dict(mode="ar", max_tokens=3))
+    for _ in range(3):
+        eng.step()
+    assert short.finished and short.generated == AR[1][:3]
+    late = eng.add(PROMPTS[2], dict(mode="pld", max_tokens=30))
+    while eng.has_work():
+        eng.step()
+    assert first.generated == AR[0] and late.generated == AR[2]
+
+
+def test_stop_string_eos_and_length():
+    eng = engine()
+    ref = eng.generate([PROMPTS[0]], dict(mode="ar", max_tokens=30))[0]
+    stop = ref.text[10:12]
+    req = eng.generate([PROMPTS[0]], dict(mode="spd", max_tokens=30, stop=[stop]))[0]
+    assert req.finish_reason == "stop" and req.text == ref.text[:ref.text.index(stop)]
+    assert ref.finish_reason == "length" and len(ref.generated) == 30
+    eos = ref.generated[5]
+    eng.eos_ids = {eos}
+    req = eng.generate([PROMPTS[0]], dict(mode="fly", max_tokens=30))[0]
+    assert req.finish_reason == "stop" and req.generated == ref.generated[:ref.generated.index(eos)]
+
+
+def test_streamed_deltas_add_up_to_the_text():
+    eng = engine()
+    req = eng.add(PROMPTS[1], dict(mode="spd", max_tokens=30))
+    pieces = []
+    while not req.finished:
+        eng.step()
+        pieces.append(req.delta())
+    assert "".join(pieces) == req.text and len([p for p in pieces if p]) > 1
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent():
+    params = dict(mode="fly", temperature=0.9, top_p=0.95, seed=7)
+    a = generate(**params)
+    assert a == generate(**params)
+    assert generate([PROMPTS[2]], **params) == [a[2]]
+    assert a != generate(**{**params, "seed": 8})
+
+
+@pytest.mark.parametrize("field,value", [("max_tokens", 0), ("max_tokens", 10_000), ("k", 0), ("window", 10),
+                                         ("theta", 1.5), ("theta", -0.1), ("mode", "nope"), ("entropy", "x"),
+                                         ("top_p", 0.0), ("temperature", -1)])
+def test_bad_input_names_the_field(field, value):
+    eng = engine()
+    good = eng.add(PROMPTS[0], dict(mode="spd", max_tokens=5))
+    with pytest.raises(ValueError, match=f"^{field}:"):
+        eng.add(PROMPTS[1], {"k": 10, "max_tokens": 5, field: value})
+    while eng.has_work():
+        eng.step()
+    assert good.generated == AR[0][:5]  # the bad request never reached the batch
+
+
+def test_empty_prompt_and_missing_drafter():
+    with pytest.raises(ValueError, match="^prompt:"):
+        engine().add("", dict(mode="ar"))
+    with pytest.raises(ValueError, match="^mode:"):
+        engine(drafter=None).add(PROMPTS[0], dict(mode="fly", max_tokens=5))
+    assert engine(drafter=None).generate([PROMPTS[0]], dict(mode="pld", max_tokens=30))[0].generated == AR[0]
+
+
+def test_pld_proposals():
+    assert pld.propose([1, 2, 3, 9, 1, 2, 3], k=3) == [9, 1, 2]  # the 3-gram 1 2 3 matched
+    assert pld.propose([5, 6, 7, 5, 6], k=4) == [7, 5, 6]  # fewer near the end
+    assert pld.propose([1, 2, 3, 4], k=3) == []  # no match; the suffix never matches itself
+    assert pld.propose([4, 1, 8, 4, 2, 8, 4], k=2) == [2, 8]  # the latest occurrence wins
+    assert pld.propose([1, 2, 1, 3, 1, 2], k=2, max_n=2, min_n=2) == [1, 3]
+    assert pld.propose([7, 7], k=5) == [7]
