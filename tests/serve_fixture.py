@@ -1,0 +1,35 @@
+"""One local Ray + Serve per test module, tiny models, traffic to 127.0.0.1 only."""
+import os
+import socket
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_serve(app_args: dict, name: str = "fly"):
+    """Starts Ray (4 logical CPUs on this 2-core box; replicas ask for fractions) and runs the
+    app; returns the base URL. Workers import `deployments` and `fly_serve` through PYTHONPATH."""
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    import ray
+    from ray import serve
+
+    from deployments.app import build
+    ray.init(num_cpus=4, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build(app_args), name=name, route_prefix="/")
+    return f"http://127.0.0.1:{port}"
+
+
+def stop_serve():
+    import ray
+    from ray import serve
+    serve.shutdown()
+    ray.shutdown()
