@@ -1,0 +1,65 @@
+"""Every Serve config in deployments/ loads and builds its application (no deploy, no weights),
+and cluster.yaml is valid against Ray's own cluster-launcher schema."""
+import json
+from pathlib import Path
+
+import jsonschema
+import pytest
+import ray
+import yaml
+from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
+from ray.serve._private.build_app import build_app
+from ray.serve.schema import ServeDeploySchema
+from ray._common.utils import import_attr
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = sorted((ROOT / "deployments").glob("*.yaml"))
+
+
+def test_there_are_configs():
+    assert {p.name for p in CONFIGS} >= {"cpu-default.yaml", "llama-70b.yaml", "llama-405b.yaml"}
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_serve_config_builds(path):
+    config = ServeDeploySchema.model_validate(yaml.safe_load(path.read_text()))
+    for app_config in config.applications:
+        app = call_user_app_builder_with_args_if_necessary(import_attr(app_config.import_path), app_config.args)
+        built = {d.name: d for d in build_app(app, name=app_config.name).deployments}
+        configured = {d.name: d for d in app_config.deployments}
+        # every deployment is configured explicitly, and nothing configured is missing
+        assert set(configured) == set(built)
+        for d in configured.values():
+            assert d.autoscaling_config and d.ray_actor_options, d.name
+        tp = app_config.args.get("tp_size", 1)
+        if tp > 1:
+            target = configured["FlyTarget"]
+            assert len(target.placement_group_bundles) == tp
+            assert target.placement_group_strategy == "STRICT_PACK"
+            # the replica itself sits in bundle 0, beside rank 0
+            worker = app_config.args["tp_worker_options"]
+            replica_cpus = target.ray_actor_options.num_cpus
+            assert target.placement_group_bundles[0]["CPU"] >= worker["num_cpus"] + replica_cpus
+            assert all(b.get("GPU", 0) >= worker.get("num_gpus", 0) for b in target.placement_group_bundles)
+
+
+def test_cpu_default_fits_two_cores():
+    config = yaml.safe_load((ROOT / "deployments" / "cpu-default.yaml").read_text())
+    [app] = config["applications"]
+    total = 0.0
+    for d in app["deployments"]:
+        bundles = d.get("placement_group_bundles")
+        per_replica = sum(b["CPU"] for b in bundles) if bundles else d["ray_actor_options"]["num_cpus"]
+        total += per_replica * d["autoscaling_config"]["max_replicas"]
+    assert total <= 2
+
+
+def test_cluster_yaml_is_valid_for_the_ray_launcher():
+    schema = json.loads((Path(ray.__file__).parent / "autoscaler" / "ray-schema.json").read_text())
+    cluster = yaml.safe_load((ROOT / "cluster.yaml").read_text())
+    jsonschema.validate(cluster, schema)
+    types = cluster["available_node_types"]
+    assert cluster["head_node_type"] in types
+    assert any(t["resources"].get("GPU") == 4 for t in types.values())
+    assert any(t["resources"].get("GPU") == 1 for t in types.values())
+    assert any("pip install" in c for c in cluster["setup_commands"])
