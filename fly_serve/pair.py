@@ -14,7 +14,9 @@ DRAFTER_PRECISIONS = ("bf16", "fp32", "int8")
 def quantize_int8(model):
     """Dynamic int8 (per-channel weights) on every Linear layer: ~3x cheaper drafter forwards on
     this CPU. The drafter only proposes, so the output stays the target's."""
+    import warnings
     from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
+    warnings.filterwarnings("ignore", message=".*quantize.*deprecated", category=UserWarning)
     return quantize_dynamic(model.float(), {torch.nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8)
 
 

@@ -1,0 +1,53 @@
+"""How often greedy `spd` drifts from greedy `ar` in bf16 (and in fp32, as the control).
+
+    python benchmarks/bf16_drift.py --prompts 8 --max-tokens 64
+
+A multi-token forward (verification) and a one-token forward (ar) give slightly different bf16
+logits; where the target's top two tokens are near-tied the argmax can flip and the outputs part.
+"""
+import argparse
+import json
+
+import torch
+
+from fly_serve.cli import chat_prompt
+from fly_serve.drafters import ModelDrafter
+from fly_serve.engine import Engine
+from fly_serve.pair import eos_ids, load_drafter
+from fly_serve.target import Target
+from fly_serve.weights import DEFAULT_DRAFTER, DEFAULT_TARGET, load_model, load_tokenizer
+
+QUESTIONS = ["Reverse a string in Python.", "Explain what a hash map is in two sentences.",
+             "Write a bash loop that prints 1 to 10.", "Write a Python class for a stack with push and pop.",
+             "What is the difference between a list and a tuple in Python?", "Write a C function that sums an array.",
+             "Write a regex that matches an email address.", "Write a JavaScript debounce function.",
+             "Explain recursion to a beginner.", "Write a Python function that flattens a nested list."]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--dtypes", nargs="+", default=["bf16", "fp32"])
+    args = ap.parse_args()
+    tok = load_tokenizer(DEFAULT_TARGET)
+    prompts = [chat_prompt(tok, q) for q in QUESTIONS[:args.prompts]]
+    for dtype in args.dtypes:
+        torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+        target = load_model(DEFAULT_TARGET, dtype=torch_dtype)
+        engine = Engine(Target(target, n_slots=1), ModelDrafter(load_drafter(DEFAULT_DRAFTER, "int8"), n_slots=1),
+                        tok, eos_ids(target, tok), max_batch=1)
+        diverged, first = 0, []
+        for p in prompts:  # one at a time: batching noise is not what this measures
+            ar = engine.generate([p], dict(mode="ar", max_tokens=args.max_tokens))[0].generated
+            spd = engine.generate([p], dict(mode="spd", k=10, max_tokens=args.max_tokens))[0].generated
+            if ar != spd:
+                diverged += 1
+                first.append(next(i for i, (a, b) in enumerate(zip(ar + [-1], spd + [-2])) if a != b))
+        print(json.dumps(dict(dtype=dtype, prompts=len(prompts), max_tokens=args.max_tokens,
+                              diverged=diverged, first_difference_at=first)), flush=True)
+        del engine, target
+
+
+if __name__ == "__main__":
+    main()

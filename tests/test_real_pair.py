@@ -1,0 +1,64 @@
+"""The engine on the real default pair (Qwen2.5-Coder 1.5B target, 0.5B drafter).
+
+Exactness checks run in fp32: bf16 kernels give a multi-token forward slightly different logits
+than a one-token forward, so greedy bf16 runs of spd and ar may drift apart (README)."""
+import pytest
+import torch
+
+from fly_serve.cli import chat_prompt
+from fly_serve.drafters import ModelDrafter
+from fly_serve.engine import Engine
+from fly_serve.pair import eos_ids, load_drafter
+from fly_serve.target import Target
+from fly_serve.weights import DEFAULT_DRAFTER, DEFAULT_TARGET, check_same_tokenizer, load_model, load_tokenizer, \
+    tiny_tokenizer
+
+pytestmark = pytest.mark.real
+
+QUESTIONS = ["Reverse a string in Python.",
+             "Write a function that returns the n-th Fibonacci number, iteratively.",
+             "What does `git rebase -i` do? One sentence.",
+             "Write a SQL query that counts orders per customer from a table orders(customer_id, id), "
+             "sorted by the count, highest first."]
+
+
+@pytest.fixture(scope="module")
+def pair():
+    tok = load_tokenizer(DEFAULT_TARGET)
+    target = load_model(DEFAULT_TARGET, dtype=torch.float32)
+    drafter = load_drafter(DEFAULT_DRAFTER, "fp32")
+    return tok, target, drafter, [chat_prompt(tok, q) for q in QUESTIONS]
+
+
+def engine(pair, drafter=True):
+    tok, target, draft, _ = pair
+    return Engine(Target(target), ModelDrafter(draft) if drafter else None, tok, eos_ids(target, tok))
+
+
+@pytest.fixture(scope="module")
+def ar(pair):
+    return [r.generated for r in engine(pair, drafter=False).generate(pair[3], dict(mode="ar", max_tokens=24))]
+
+
+def test_prompts_differ_in_length(pair):
+    assert len({len(p) for p in pair[3]}) == 4
+
+
+@pytest.mark.parametrize("params", [dict(mode="spd", k=6), dict(mode="fly", k=6, theta=1.0)])
+def test_lossless_modes_equal_ar(pair, ar, params):
+    reqs = engine(pair).generate(pair[3], dict(max_tokens=24, **params))
+    assert [r.generated for r in reqs] == ar
+    assert sum(r.stats.tau for r in reqs) / len(reqs) > 1.5  # the real drafter does agree often
+
+
+def test_fly_batched_equals_alone(pair):
+    params = dict(mode="fly", k=6, theta=0.3, max_tokens=24)
+    batched = engine(pair).generate(pair[3], params)
+    for prompt, req in zip(pair[3][:2], batched):
+        assert engine(pair).generate([prompt], params)[0].generated == req.generated
+
+
+def test_tokenizers_of_the_pair_agree_and_others_are_refused(pair):
+    check_same_tokenizer(pair[0], load_tokenizer(DEFAULT_DRAFTER))
+    with pytest.raises(ValueError, match="^drafter:"):
+        check_same_tokenizer(pair[0], tiny_tokenizer())
