@@ -5,8 +5,8 @@ from types import SimpleNamespace
 
 import torch
 
-from fly_serve import weights
-from fly_serve.pair import DTYPES, eos_ids, load_drafter
+from fly_serve import tp, weights
+from fly_serve.pair import DTYPES, eos_ids, load_drafter, on_device
 
 TINY = "tiny:"
 
@@ -15,10 +15,15 @@ def is_tiny(name: str) -> bool:
     return name.startswith(TINY)
 
 
-def target_model(name: str, dtype: str = "bf16"):
+def target_model(name: str, dtype: str = "bf16", rank: int = 0, world: int = 1):
+    """This rank's shard of the target, sharded on the CPU before it moves to the GPU."""
     if is_tiny(name):
-        return weights.tiny_model(int(name[len(TINY):]))
-    return weights.load_model(name, dtype=DTYPES[dtype])
+        model = weights.tiny_model(int(name[len(TINY):]))
+    else:
+        model = weights.load_model(name, dtype=DTYPES[dtype])
+    if world > 1:
+        tp.shard(model, rank, world)
+    return on_device(model)
 
 
 def drafter_model(name: str, precision: str = "int8"):

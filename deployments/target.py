@@ -27,9 +27,7 @@ def build_target(name: str, dtype: str, n_slots: int, rank: int = 0, world: int 
     group = None
     if world > 1:
         group = tp.init_group(rank, world, addr, port)
-    model = models.target_model(name, dtype)
-    if world > 1:
-        tp.shard(model, rank, world)
+    model = models.target_model(name, dtype, rank, world)
     return Target(model, n_slots=n_slots, tp_group=group)
 
 

@@ -38,6 +38,8 @@ def add_pair(p: argparse.ArgumentParser):
     p.add_argument("--drafter", default=DEFAULT_DRAFTER, help="HF model id or local directory")
     p.add_argument("--dtype", choices=list(DTYPES), default="bf16", help="target precision")
     p.add_argument("--drafter-precision", choices=DRAFTER_PRECISIONS, default="int8")
+    p.add_argument("--draft-min-confidence", type=float, default=0.0,
+                   help="stop drafting a row once the drafter's probability of its token is below this")
 
 
 def params_from(args) -> Params:
@@ -52,7 +54,8 @@ def generate(args):
     t0 = time.perf_counter()
     needs_drafter = args.mode in ("spd", "fly")
     engine = build_engine(args.target, args.drafter if needs_drafter else None, args.dtype,
-                          args.drafter_precision, max_batch=1, progress=progress)
+                          args.drafter_precision, max_batch=1, draft_min_confidence=args.draft_min_confidence,
+                          progress=progress)
     progress(f"models ready in {time.perf_counter() - t0:.1f} s; generating")
     prompt = args.prompt if args.raw else chat_prompt(engine.tokenizer, args.prompt)
     try:

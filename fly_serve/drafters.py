@@ -27,9 +27,12 @@ class PLDDrafter:
 
 
 class ModelDrafter:
-    def __init__(self, model, n_slots: int = 8, max_n: int = 4, min_n: int = 1):
+    def __init__(self, model, n_slots: int = 8, max_n: int = 4, min_n: int = 1, min_confidence: float = 0.0):
         self.runner = Runner(model, n_slots=n_slots)
         self.max_n, self.min_n = max_n, min_n
+        # A greedy row stops drafting once the drafter's own probability of its token falls
+        # below this: the tokens after it would mostly be thrown away (0: always draft k).
+        self.min_confidence = min_confidence
         self.generators = Generators(salt=1)
         self.forwards = 0  # drafter forwards, all rows together, since start
         self.hits = 0  # rows whose KV cache this drafter already held (session affinity)
@@ -41,24 +44,27 @@ class ModelDrafter:
             warm = cache.valid(r.key, r.tokens) > 0
             self.hits += warm
             self.misses += not warm
-        self.runner.catch_up([r.key for r in rows], [r.tokens for r in rows])
+        # After a round whose drafts all passed, the drafter lacks d_K and the bonus token: a lag
+        # of two, fed in the first drafting forward rather than a forward of its own.
+        self.runner.catch_up([r.key for r in rows], [r.tokens for r in rows], max_lag=4)
         drafts = [[] for _ in rows]
         qs = [[] for _ in rows]
         active = [b for b, r in enumerate(rows) if r.k > 0]
         while active:
-            self._step([rows[b] for b in active], [drafts[b] for b in active], [qs[b] for b in active])
-            active = [b for b in active if len(drafts[b]) < rows[b].k]
+            unsure = self._step([rows[b] for b in active], [drafts[b] for b in active], [qs[b] for b in active])
+            active = [b for i, b in enumerate(active) if len(drafts[b]) < rows[b].k and i not in unsure]
         return drafts, [torch.stack(q) if rows[b].sampled else None for b, q in enumerate(qs)]
 
-    def _step(self, rows, drafts, qs):
+    def _step(self, rows, drafts, qs) -> set[int]:
         """One batched drafter forward: each row feeds its last token plus a lookup proposal and
-        keeps the proposal's verified prefix and the drafter's next token (extends drafts, qs)."""
+        keeps the proposal's verified prefix and the drafter's next token (extends drafts, qs).
+        Returns the rows whose new token fell below min_confidence."""
         contexts = [r.tokens + d for r, d in zip(rows, drafts)]
         proposals = [pld.propose(c, r.k - len(d) - 1, self.max_n, self.min_n) if r.mla else []
                      for c, r, d in zip(contexts, rows, drafts)]
         keys = [r.key for r in rows]
-        limits = [len(c) - 1 for c in contexts]
-        logits, _ = self.runner.feed(keys, [c + p for c, p in zip(contexts, proposals)], limits=limits)
+        logits, _ = self.runner.feed(keys, [c + p for c, p in zip(contexts, proposals)],
+                                     tail=[1 + len(p) for p in proposals])
         self.forwards += 1
         n = torch.tensor([len(p) for p in proposals])
         proposed = torch.zeros(len(rows), logits.shape[1] - 1, dtype=torch.long)
@@ -69,12 +75,18 @@ class ModelDrafter:
         ok, y = score(logits, proposed, n, sampled)
         strict = torch.ones(len(rows))
         accept_len, _ = decide(ok, None, n, theta=strict, window=torch.zeros(len(rows), dtype=torch.long))
+        unsure = set()
+        if self.min_confidence > 0:
+            last = logits[torch.arange(len(rows)), accept_len.to(logits.device)]
+            conf = torch.softmax(last.float(), -1).max(-1).values.cpu()
+            unsure = {b for b, r in enumerate(rows) if not r.sampled and conf[b] < self.min_confidence}
         for b, (r, a) in enumerate(zip(rows, accept_len.tolist())):
             new = proposals[b][:a] + [int(y[b, a])]
             room = r.k - len(drafts[b])
             drafts[b].extend(new[:room])
             if r.sampled:
-                qs[b].extend(probs(logits[b, i], r.temperature, r.top_p) for i in range(min(a + 1, room)))
+                qs[b].extend(probs(logits[b, i].cpu(), r.temperature, r.top_p) for i in range(min(a + 1, room)))
+        return unsure
 
     def release(self, keys):
         self.runner.release(keys)

@@ -24,11 +24,11 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 class KVCache:
-    def __init__(self, n_layers, n_slots, kv_heads, head_dim, dtype, capacity=256):
+    def __init__(self, n_layers, n_slots, kv_heads, head_dim, dtype, capacity=256, device="cpu"):
         self.n_slots, self.kv_heads, self.head_dim, self.dtype = n_slots, kv_heads, head_dim, dtype
         shape = (n_slots, capacity, kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype) for _ in range(n_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype) for _ in range(n_layers)]
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.tokens: list[list[int]] = [[] for _ in range(n_slots)]  # what each slot holds
         self.slot_of: OrderedDict[str, int] = OrderedDict()  # key -> slot, least recent first
 

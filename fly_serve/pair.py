@@ -20,12 +20,27 @@ def quantize_int8(model):
     return quantize_dynamic(model.float(), {torch.nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8)
 
 
+def on_device(model):
+    """The model on this process's GPU where there is one (Ray sets CUDA_VISIBLE_DEVICES per
+    actor, so "cuda" is the actor's own GPU), else where it is."""
+    return model.to("cuda") if torch.cuda.is_available() else model
+
+
+def load_target(name: str, dtype: str = "bf16", progress=print):
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype: must be one of {', '.join(DTYPES)} (got {dtype!r})")
+    return on_device(load_model(name, dtype=DTYPES[dtype], progress=progress))
+
+
 def load_drafter(name: str, precision: str = "int8", progress=print):
     if precision not in DRAFTER_PRECISIONS:
         raise ValueError(f"drafter_precision: must be one of {', '.join(DRAFTER_PRECISIONS)} (got {precision!r})")
     if precision == "int8":
+        if torch.cuda.is_available():
+            raise ValueError("drafter_precision: int8 (torch dynamic quantization) runs on the CPU only; "
+                             "use bf16 on GPUs")
         return quantize_int8(load_model(name, dtype=torch.float32, progress=progress))
-    return load_model(name, dtype=DTYPES[precision], progress=progress)
+    return on_device(load_model(name, dtype=DTYPES[precision], progress=progress))
 
 
 def eos_ids(model, tokenizer) -> set[int]:
@@ -38,15 +53,14 @@ def eos_ids(model, tokenizer) -> set[int]:
 
 def build_engine(target: str = DEFAULT_TARGET, drafter: str | None = DEFAULT_DRAFTER, dtype: str = "bf16",
                  drafter_precision: str = "int8", max_batch: int = 8, max_model_len: int = 4096,
-                 defaults: Params | None = None, progress=print) -> Engine:
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype: must be one of {', '.join(DTYPES)} (got {dtype!r})")
+                 defaults: Params | None = None, draft_min_confidence: float = 0.0, progress=print) -> Engine:
     tokenizer = load_tokenizer(target, progress=progress)
-    target_model = load_model(target, dtype=DTYPES[dtype], progress=progress)
+    target_model = load_target(target, dtype, progress)
     draft = None
     if drafter:
         check_same_tokenizer(tokenizer, load_tokenizer(drafter, progress=progress))
-        draft = ModelDrafter(load_drafter(drafter, drafter_precision, progress), n_slots=max_batch)
+        draft = ModelDrafter(load_drafter(drafter, drafter_precision, progress), n_slots=max_batch,
+                             min_confidence=draft_min_confidence)
     max_model_len = min(max_model_len, target_model.config.max_position_embeddings)
     return Engine(Target(target_model, n_slots=max_batch), draft, tokenizer, eos_ids(target_model, tokenizer),
                   max_batch=max_batch, max_model_len=max_model_len, defaults=defaults)

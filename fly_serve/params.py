@@ -9,7 +9,7 @@ MODES = ("ar", "spd", "fly", "pld")  # plain decoding, standard SPD, FLy, prompt
 @dataclass
 class Params:
     mode: str = "fly"
-    k: int = 10  # drafts per round (measured on the default pair: README, "Defaults")
+    k: int = 15  # drafts per round (measured on the default pair: README, "Measurements")
     theta: float = 0.3  # entropy gate: defer a mismatch only where the target's entropy >= theta
     window: int = 6  # W: a deferred mismatch is kept if the next W positions match
     entropy: str = "topk"  # "topk": top-3 entropy in nats; "full": normalized full-vocabulary

@@ -26,7 +26,9 @@ class Runner:
         self.kv_heads = cfg.num_key_value_heads // tp
         self.layers = model.model.layers
         self.dtype = model.model.embed_tokens.weight.dtype
-        self.cache = KVCache(len(self.layers), n_slots, self.kv_heads, self.head_dim, self.dtype, capacity)
+        self.device = model.model.embed_tokens.weight.device
+        self.cache = KVCache(len(self.layers), n_slots, self.kv_heads, self.head_dim, self.dtype, capacity,
+                             self.device)
         self.vocab_size = cfg.vocab_size
 
     def _all_reduce(self, x):
@@ -39,17 +41,19 @@ class Runner:
         """input_ids [B, T] written at positions starts[b] + t of slot slots[b].
 
         logits_at: "all" -> logits [B, T, V]; None -> no logits (a prefill that only fills the
-        cache); a LongTensor [B] -> logits [B, V] at those indices (the last real token).
+        cache); a LongTensor [B, n] -> logits [B, n, V] at those positions of each row.
         """
+        dev = self.device
+        slots, starts, input_ids = slots.to(dev), starts.to(dev), input_ids.to(dev)
         B, T = input_ids.shape
-        pos = starts[:, None] + torch.arange(T)[None, :]  # [B, T]
+        pos = starts[:, None] + torch.arange(T, device=dev)[None, :]  # [B, T]
         n_keys = int(pos.max()) + 1
         cache = self.cache
         cache.ensure_capacity(n_keys)
         # Key j is visible to the query at position p iff j <= p.
-        mask = (torch.arange(n_keys)[None, None, :] <= pos[:, :, None])[:, None]  # [B,1,T,n_keys]
+        mask = (torch.arange(n_keys, device=dev)[None, None, :] <= pos[:, :, None])[:, None]  # [B,1,T,n_keys]
         s0 = int(slots[0])
-        contiguous = bool((slots == torch.arange(s0, s0 + B)).all())
+        contiguous = bool((slots == torch.arange(s0, s0 + B, device=dev)).all())
         rows = slots[:, None].expand(B, T)
 
         x = self.model.model.embed_tokens(input_ids)
@@ -76,14 +80,15 @@ class Runner:
         if logits_at is None:
             return None
         if not isinstance(logits_at, str):
-            x = x[torch.arange(B), logits_at]
+            x = x.gather(1, logits_at.to(dev)[:, :, None].expand(-1, -1, x.shape[-1]))
         return self.model.lm_head(self.model.model.norm(x)).float()
 
-    def feed(self, keys: list[str], tokens: list[list[int]], logits_at="all", limits=None):
-        """Bring each row's slot up to its tokens; returns (logits, fed) where fed[b] is the number
-        of tokens fed for row b (its logits are the last fed[b] positions, right-padded).
-        limits[b]: feed at least from that position on (see KVCache.plan)."""
-        limits = limits or [None] * len(keys)
+    def feed(self, keys: list[str], tokens: list[list[int]], tail: list[int] | None = None, logits=True):
+        """Bring each row's slot up to its tokens; returns (logits, fed), fed[b] being the number
+        of tokens fed for row b. Without `tail`, logits [B, max(fed), V] of every fed position
+        (right-padded); with it, logits [B, max(tail), V] of each row's last tail[b] tokens
+        (left-aligned), which are fed even if the slot holds them."""
+        limits = [None] * len(keys) if tail is None else [len(t) - n for t, n in zip(tokens, tail)]
         plans = [self.cache.plan(key, toks, lim) for key, toks, lim in zip(keys, tokens, limits)]
         fed = [len(toks) - start for (_, start), toks in zip(plans, tokens)]
         T = max(fed)
@@ -93,16 +98,19 @@ class Runner:
             self.cache.wrote(slot, toks[start:])
         slots = torch.tensor([s for s, _ in plans])
         starts = torch.tensor([st for _, st in plans])
-        if logits_at == "last":
-            logits_at = torch.tensor(fed) - 1
+        logits_at = "all" if logits else None
+        if logits and tail is not None:  # row b's last tail[b] tokens start at fed[b] - tail[b]
+            offsets = torch.tensor([f - n for f, n in zip(fed, tail)])
+            logits_at = (offsets[:, None] + torch.arange(max(tail))[None, :]).clamp(max=T - 1)
         return self.forward(slots, starts, ids, logits_at), fed
 
-    def catch_up(self, keys: list[str], tokens: list[list[int]]):
-        """Prefill, one row at a time, the rows whose slot lags more than one token behind, so
-        that a joining sequence's prompt does not pad every other row of the round's forward."""
+    def catch_up(self, keys: list[str], tokens: list[list[int]], max_lag: int = 1):
+        """Prefill, one row at a time, the rows whose slot lags more than max_lag tokens behind,
+        so that a joining sequence's prompt does not pad every other row of the round's forward;
+        a short lag rides along in the round's own forward instead."""
         for key, toks in zip(keys, tokens):
-            if len(toks) - self.cache.valid(key, toks) > 1:
-                self.feed([key], [toks[:-1]], logits_at=None)
+            if len(toks) - self.cache.valid(key, toks) > max_lag:
+                self.feed([key], [toks[:-1]], logits=False)
 
     def release(self, keys):
         self.cache.release(keys)

@@ -18,8 +18,7 @@ class Target:
         keys = [r.key for r in rows]
         self.runner.catch_up(keys, [r.tokens for r in rows])
         seqs = [r.tokens + d for r, d in zip(rows, drafts)]
-        limits = [len(r.tokens) - 1 for r in rows]
-        logits, _ = self.runner.feed(keys, seqs, limits=limits)
+        logits, _ = self.runner.feed(keys, seqs, tail=[1 + len(d) for d in drafts])
         n = torch.tensor([len(d) for d in drafts])
         drafted = torch.zeros(len(rows), logits.shape[1] - 1, dtype=torch.long)
         for b, d in enumerate(drafts):
@@ -32,7 +31,7 @@ class Target:
             if h is None:
                 h = torch.zeros(drafted.shape)
             of_kind = torch.tensor([e == kind for e in entropy_kinds])
-            h[of_kind] = entropy(logits[of_kind, :-1], kind)
+            h[of_kind] = entropy(logits[of_kind.to(logits.device), :-1], kind).cpu()
         return ok, y, h
 
     def release(self, keys):

@@ -52,7 +52,7 @@ def score_row_sampled(logits, drafts, n, q, temperature, top_p, generator):
     """One sampling row. logits [K+1, V], drafts [K], q [n, V] or None (a one-hot proposal,
     as from prompt lookup). Returns ok [K], y [K+1]."""
     K = drafts.shape[0]
-    p = probs(logits[: n + 1], temperature, top_p)  # [n+1, V]
+    p = probs(logits[: n + 1].cpu(), temperature, top_p)  # [n+1, V]; the generators live on the CPU
     d = drafts[:n]
     p_d = p[torch.arange(n), d]
     if q is None:
@@ -75,9 +75,9 @@ def score(logits, drafts, n, rows_sampled=()):
     """logits [B, K+1, V] over [pending token, d_1..d_K]; drafts [B, K]; n [B] drafts per row.
 
     rows_sampled: (row, q or None, temperature, top_p, generator) for rows that sample; the rest
-    are greedy. Returns ok [B, K] bool and y [B, K+1] long.
+    are greedy. Returns ok [B, K] bool and y [B, K+1] long, on the CPU (they are small).
     """
-    y = logits.argmax(-1)
+    y = logits.argmax(-1).cpu()
     ok = drafts == y[:, :-1]
     for b, q, temperature, top_p, gen in rows_sampled:
         ok[b], y[b] = score_row_sampled(logits[b], drafts[b], int(n[b]), q, temperature, top_p, gen)

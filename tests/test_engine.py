@@ -126,3 +126,10 @@ def test_pld_proposals():
     assert pld.propose([4, 1, 8, 4, 2, 8, 4], k=2) == [2, 8]  # the latest occurrence wins
     assert pld.propose([1, 2, 1, 3, 1, 2], k=2, max_n=2, min_n=2) == [1, 3]
     assert pld.propose([7, 7], k=5) == [7]
+
+
+def test_unsure_drafter_stops_early_and_stays_exact():
+    eng = Engine(Target(TARGET), ModelDrafter(DRAFTER, min_confidence=1.0), ToyTokenizer(), max_model_len=256)
+    reqs = eng.generate(PROMPTS, dict(mode="spd", k=5, mla=False, max_tokens=30))
+    assert [r.generated for r in reqs] == AR
+    assert all(0 < r.stats.drafted <= r.stats.rounds for r in reqs)  # at most one draft a round, not k
