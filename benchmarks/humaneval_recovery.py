@@ -27,6 +27,8 @@ SETTINGS = {
     "fly-topk-0.3": dict(mode="fly", entropy="topk", theta=0.3),
     "fly-full-0.3": dict(mode="fly", entropy="full", theta=0.3),
     "fly-theta-0": dict(mode="fly", theta=0.0),
+    "fly-topk-0.3-w8": dict(mode="fly", entropy="topk", theta=0.3, window=8),
+    "fly-topk-0.6": dict(mode="fly", entropy="topk", theta=0.6),
 }
 
 

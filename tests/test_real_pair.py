@@ -17,7 +17,7 @@ pytestmark = pytest.mark.real
 
 QUESTIONS = ["Reverse a string in Python.",
              "Write a function that returns the n-th Fibonacci number, iteratively.",
-             "What does `git rebase -i` do? One sentence.",
+             "What does `git rebase -i` do? Answer in one short sentence, please.",
              "Write a SQL query that counts orders per customer from a table orders(customer_id, id), "
              "sorted by the count, highest first."]
 
@@ -44,7 +44,7 @@ def test_prompts_differ_in_length(pair):
     assert len({len(p) for p in pair[3]}) == 4
 
 
-@pytest.mark.parametrize("params", [dict(mode="spd", k=6), dict(mode="fly", k=6, theta=1.0)])
+@pytest.mark.parametrize("params", [dict(mode="spd", k=8), dict(mode="fly", k=8, theta=1.0)])
 def test_lossless_modes_equal_ar(pair, ar, params):
     reqs = engine(pair).generate(pair[3], dict(max_tokens=24, **params))
     assert [r.generated for r in reqs] == ar
@@ -52,7 +52,7 @@ def test_lossless_modes_equal_ar(pair, ar, params):
 
 
 def test_fly_batched_equals_alone(pair):
-    params = dict(mode="fly", k=6, theta=0.3, max_tokens=24)
+    params = dict(mode="fly", k=8, window=4, theta=0.3, max_tokens=24)
     batched = engine(pair).generate(pair[3], params)
     for prompt, req in zip(pair[3][:2], batched):
         assert engine(pair).generate([prompt], params)[0].generated == req.generated
