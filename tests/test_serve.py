@@ -174,3 +174,25 @@ def test_tp2_target_deployment_equals_tp1(url):
     assert torch.equal(ok, ref_ok) and torch.equal(y, ref_y)
     assert torch.allclose(h, ref_h, atol=1e-5)
     handle.release.remote(["tp-a", "tp-b"]).result()
+
+
+def test_prometheus_metrics_are_exported(url):
+    """Ray's metrics agent serves the app's counters in Prometheus text format."""
+    import re
+    import time
+
+    import ray
+    complete(url, prompt=PROMPTS[2], max_tokens=20, fly={"mode": "fly", "k": 4, "window": 1})
+    port = ray.nodes()[0]["MetricsExportPort"]
+    wanted = {"ray_fly_spec_decode_num_draft_tokens_total", "ray_fly_spec_decode_num_accepted_tokens_total",
+              "ray_fly_round_phase_seconds_count", "ray_fly_batch_size_count"}
+    found: set = set()
+    for _ in range(30):  # the agent exports every few seconds
+        text = requests.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+        found = set(re.findall(r"^(ray_fly_\w+)", text, re.M))
+        if wanted <= found:
+            break
+        time.sleep(2)
+    assert wanted <= found
+    drafted = re.search(r"^ray_fly_spec_decode_num_draft_tokens_total\{.*\} ([0-9.e+]+)$", text, re.M)
+    assert drafted and float(drafted.group(1)) > 0
