@@ -119,14 +119,14 @@ class Ingress:
         try:
             params, text = body.params(), prompt()
         except ValueError as e:
-            raise ApiError(400, str(e), field_of(e))
+            raise ApiError(400, str(e), field_of(e)) from e
         updates: asyncio.Queue = asyncio.Queue()
         aloop = asyncio.get_running_loop()
         sink = lambda u: aloop.call_soon_threadsafe(updates.put_nowait, u)  # noqa: E731 (engine thread)
         try:
             await asyncio.wrap_future(self.loop.submit(text, params, rid, sink))
         except ValueError as e:
-            raise ApiError(400, str(e), request_field(body, field_of(e)))
+            raise ApiError(400, str(e), request_field(body, field_of(e))) from e
         return updates
 
     async def _collect(self, rid, updates, shape):
