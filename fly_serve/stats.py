@@ -26,7 +26,3 @@ class Stats:
         for key in ("draft_s", "verify_s", "decide_s"):
             d[key] = round(d[key], 4)
         return d
-
-    def add(self, other: "Stats"):
-        for key, value in asdict(other).items():
-            setattr(self, key, getattr(self, key) + value)
