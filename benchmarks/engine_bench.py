@@ -40,6 +40,7 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--k", type=int, nargs="+", default=[10])
     ap.add_argument("--drafters", nargs="+", default=["int8", "bf16"])
+    ap.add_argument("--min-confidence", type=float, default=0.0, help="ModelDrafter.min_confidence")
     ap.add_argument("--extra", action="store_true", help="also theta / entropy / window variants")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -56,7 +57,8 @@ def main():
     ar = run(engine, prompt, mode="ar", **base)
     results += [dict(ar, drafter="-"), dict(run(engine, prompt, mode="pld", k=max(args.k), **base), drafter="-")]
     for precision in args.drafters:
-        engine = Engine(tgt, ModelDrafter(load_drafter(DEFAULT_DRAFTER, precision), n_slots=1), tok, eos, max_batch=1)
+        engine = Engine(tgt, ModelDrafter(load_drafter(DEFAULT_DRAFTER, precision), n_slots=1,
+                                          min_confidence=args.min_confidence), tok, eos, max_batch=1)
         run(engine, prompt, mode="spd", k=4, max_tokens=8)  # warm-up
         for k in args.k:
             variants = [dict(mode="spd"), dict(mode="fly"), dict(mode="fly", mla=False), dict(mode="spd", mla=False)]

@@ -5,8 +5,8 @@ from types import SimpleNamespace
 
 import torch
 
-from fly_serve import tp, weights
-from fly_serve.pair import DTYPES, eos_ids, load_drafter, on_device
+from fly_serve import weights
+from fly_serve.pair import eos_ids, load_drafter, load_target, place
 
 TINY = "tiny:"
 
@@ -18,12 +18,8 @@ def is_tiny(name: str) -> bool:
 def target_model(name: str, dtype: str = "bf16", rank: int = 0, world: int = 1):
     """This rank's shard of the target, sharded on the CPU before it moves to the GPU."""
     if is_tiny(name):
-        model = weights.tiny_model(int(name[len(TINY):]))
-    else:
-        model = weights.load_model(name, dtype=DTYPES[dtype])
-    if world > 1:
-        tp.shard(model, rank, world)
-    return on_device(model)
+        return place(weights.tiny_model(int(name[len(TINY):])), rank, world)
+    return load_target(name, dtype, rank, world)
 
 
 def drafter_model(name: str, precision: str = "int8"):

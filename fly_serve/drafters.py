@@ -11,7 +11,7 @@ import torch
 from . import pld
 from .rows import Generators, Row
 from .runner import Runner
-from .verify import decide, probs, score
+from .verify import decide, padded, probs, score
 
 
 class PLDDrafter:
@@ -66,10 +66,7 @@ class ModelDrafter:
         logits, _ = self.runner.feed(keys, [c + p for c, p in zip(contexts, proposals)],
                                      tail=[1 + len(p) for p in proposals])
         self.forwards += 1
-        n = torch.tensor([len(p) for p in proposals])
-        proposed = torch.zeros(len(rows), logits.shape[1] - 1, dtype=torch.long)
-        for b, p in enumerate(proposals):
-            proposed[b, :len(p)] = torch.tensor(p, dtype=torch.long)
+        proposed, n = padded(proposals)
         sampled = [(b, None, r.temperature, r.top_p, self.generators.get(r))
                    for b, r in enumerate(rows) if r.sampled]
         ok, y = score(logits, proposed, n, sampled)
@@ -85,7 +82,7 @@ class ModelDrafter:
             room = r.k - len(drafts[b])
             drafts[b].extend(new[:room])
             if r.sampled:
-                qs[b].extend(probs(logits[b, i].cpu(), r.temperature, r.top_p) for i in range(min(a + 1, room)))
+                qs[b].extend(probs(logits[b, :min(a + 1, room)].cpu(), r.temperature, r.top_p))
         return unsure
 
     def release(self, keys):

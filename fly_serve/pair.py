@@ -1,6 +1,7 @@
 """Build an engine from a target and a drafter: names or paths in, a ready Engine out."""
 import torch
 
+from . import tp
 from .drafters import ModelDrafter
 from .engine import Engine
 from .params import Params
@@ -26,10 +27,17 @@ def on_device(model):
     return model.to("cuda") if torch.cuda.is_available() else model
 
 
-def load_target(name: str, dtype: str = "bf16", progress=print):
+def place(model, rank: int = 0, world: int = 1):
+    """This rank's tensor-parallel shard, cut on the CPU, then moved to the device."""
+    if world > 1:
+        tp.shard(model, rank, world)
+    return on_device(model)
+
+
+def load_target(name: str, dtype: str = "bf16", rank: int = 0, world: int = 1, progress=print):
     if dtype not in DTYPES:
         raise ValueError(f"dtype: must be one of {', '.join(DTYPES)} (got {dtype!r})")
-    return on_device(load_model(name, dtype=DTYPES[dtype], progress=progress))
+    return place(load_model(name, dtype=DTYPES[dtype], progress=progress), rank, world)
 
 
 def load_drafter(name: str, precision: str = "int8", progress=print):
@@ -55,7 +63,7 @@ def build_engine(target: str = DEFAULT_TARGET, drafter: str | None = DEFAULT_DRA
                  drafter_precision: str = "int8", max_batch: int = 8, max_model_len: int = 4096,
                  defaults: Params | None = None, draft_min_confidence: float = 0.0, progress=print) -> Engine:
     tokenizer = load_tokenizer(target, progress=progress)
-    target_model = load_target(target, dtype, progress)
+    target_model = load_target(target, dtype, progress=progress)
     draft = None
     if drafter:
         check_same_tokenizer(tokenizer, load_tokenizer(drafter, progress=progress))

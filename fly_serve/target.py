@@ -4,7 +4,7 @@ import torch
 
 from .rows import Generators, Row
 from .runner import Runner
-from .verify import entropy, score
+from .verify import entropy, padded, score
 
 
 class Target:
@@ -19,10 +19,7 @@ class Target:
         self.runner.catch_up(keys, [r.tokens for r in rows])
         seqs = [r.tokens + d for r, d in zip(rows, drafts)]
         logits, _ = self.runner.feed(keys, seqs, tail=[1 + len(d) for d in drafts])
-        n = torch.tensor([len(d) for d in drafts])
-        drafted = torch.zeros(len(rows), logits.shape[1] - 1, dtype=torch.long)
-        for b, d in enumerate(drafts):
-            drafted[b, :len(d)] = torch.tensor(d, dtype=torch.long)
+        drafted, n = padded(drafts)
         sampled = [(b, qs[b], r.temperature, r.top_p, self.generators.get(r))
                    for b, r in enumerate(rows) if r.sampled]
         ok, y = score(logits, drafted, n, sampled)

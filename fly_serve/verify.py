@@ -44,6 +44,15 @@ def probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch
     return p
 
 
+def padded(lists: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row token lists -> (tokens [B, max len] right-padded with 0, lengths [B])."""
+    n = torch.tensor([len(t) for t in lists])
+    out = torch.zeros(len(lists), int(n.max()) if len(lists) else 0, dtype=torch.long)
+    for b, t in enumerate(lists):
+        out[b, :len(t)] = torch.tensor(t, dtype=torch.long)
+    return out, n
+
+
 def _sample(p: torch.Tensor, generator) -> torch.Tensor:
     return torch.multinomial(p, 1, generator=generator).squeeze(-1)
 
