@@ -5,23 +5,27 @@
 A multi-token forward (verification) and a one-token forward (ar) give slightly different bf16
 logits; where the target's top two tokens are near-tied the argmax can flip and the outputs part.
 """
+
 import argparse
 import json
 
-import torch
+from fly_serve.build import build_engine
+from fly_serve.loading import load_tokenizer
+from fly_serve.prompts import chat_prompt
+from fly_serve.weights import DEFAULT_DRAFTER, DEFAULT_TARGET
 
-from fly_serve.cli import chat_prompt
-from fly_serve.drafters import ModelDrafter
-from fly_serve.engine import Engine
-from fly_serve.pair import eos_ids, load_drafter
-from fly_serve.target import Target
-from fly_serve.weights import DEFAULT_DRAFTER, DEFAULT_TARGET, load_model, load_tokenizer
-
-QUESTIONS = ["Reverse a string in Python.", "Explain what a hash map is in two sentences.",
-             "Write a bash loop that prints 1 to 10.", "Write a Python class for a stack with push and pop.",
-             "What is the difference between a list and a tuple in Python?", "Write a C function that sums an array.",
-             "Write a regex that matches an email address.", "Write a JavaScript debounce function.",
-             "Explain recursion to a beginner.", "Write a Python function that flattens a nested list."]
+QUESTIONS = [
+    "Reverse a string in Python.",
+    "Explain what a hash map is in two sentences.",
+    "Write a bash loop that prints 1 to 10.",
+    "Write a Python class for a stack with push and pop.",
+    "What is the difference between a list and a tuple in Python?",
+    "Write a C function that sums an array.",
+    "Write a regex that matches an email address.",
+    "Write a JavaScript debounce function.",
+    "Explain recursion to a beginner.",
+    "Write a Python function that flattens a nested list.",
+]
 
 
 def main():
@@ -31,12 +35,9 @@ def main():
     ap.add_argument("--dtypes", nargs="+", default=["bf16", "fp32"])
     args = ap.parse_args()
     tok = load_tokenizer(DEFAULT_TARGET)
-    prompts = [chat_prompt(tok, q) for q in QUESTIONS[:args.prompts]]
+    prompts = [chat_prompt(tok, q) for q in QUESTIONS[: args.prompts]]
     for dtype in args.dtypes:
-        torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
-        target = load_model(DEFAULT_TARGET, dtype=torch_dtype)
-        engine = Engine(Target(target, n_slots=1), ModelDrafter(load_drafter(DEFAULT_DRAFTER, "int8"), n_slots=1),
-                        tok, eos_ids(target, tok), max_batch=1)
+        engine = build_engine(DEFAULT_TARGET, DEFAULT_DRAFTER, dtype=dtype, drafter_precision="int8", max_batch=1)
         diverged, first = 0, []
         for p in prompts:  # one at a time: batching noise is not what this measures
             ar = engine.generate([p], dict(mode="ar", max_tokens=args.max_tokens))[0].generated
@@ -44,9 +45,19 @@ def main():
             if ar != spd:
                 diverged += 1
                 first.append(next(i for i, (a, b) in enumerate(zip(ar + [-1], spd + [-2])) if a != b))
-        print(json.dumps(dict(dtype=dtype, prompts=len(prompts), max_tokens=args.max_tokens,
-                              diverged=diverged, first_difference_at=first)), flush=True)
-        del engine, target
+        print(
+            json.dumps(
+                dict(
+                    dtype=dtype,
+                    prompts=len(prompts),
+                    max_tokens=args.max_tokens,
+                    diverged=diverged,
+                    first_difference_at=first,
+                )
+            ),
+            flush=True,
+        )
+        del engine
 
 
 if __name__ == "__main__":

@@ -4,22 +4,23 @@
 
 Speedups are ratios against `ar` measured in the same run; nothing here is asserted.
 """
+
 import argparse
 import json
 import time
 
 import torch
 
-from fly_serve.cli import chat_prompt
-from fly_serve.drafters import ModelDrafter
-from fly_serve.engine import Engine
-from fly_serve.pair import eos_ids, load_drafter
-from fly_serve.target import Target
-from fly_serve.weights import DEFAULT_DRAFTER, DEFAULT_TARGET, load_model, load_tokenizer
+from fly_serve.build import build_engine
+from fly_serve.loading import load_model, load_tokenizer
+from fly_serve.prompts import chat_prompt
+from fly_serve.weights import DEFAULT_DRAFTER, DEFAULT_TARGET
 
-PROMPT = ("Write a Python function `merge_intervals(intervals)` that merges overlapping intervals "
-          "given as a list of [start, end] pairs and returns them sorted. Include a docstring and "
-          "a few doctest examples.")
+PROMPT = (
+    "Write a Python function `merge_intervals(intervals)` that merges overlapping intervals "
+    "given as a list of [start, end] pairs and returns them sorted. Include a docstring and "
+    "a few doctest examples."
+)
 
 
 def run(engine, prompt, **params):
@@ -29,10 +30,19 @@ def run(engine, prompt, **params):
         engine.step()
     wall = time.perf_counter() - t0
     s = req.stats
-    return dict(params, tokens=s.emitted, wall_s=round(wall, 2), tok_s=round(s.emitted / wall, 2),
-                tau=round(s.tau, 2), rounds=s.rounds, loosely=s.loosely_accepted,
-                draft_s=round(s.draft_s, 2), verify_s=round(s.verify_s, 2), decide_s=round(s.decide_s, 4),
-                ids=req.generated)
+    return dict(
+        params,
+        tokens=s.emitted,
+        wall_s=round(wall, 2),
+        tok_s=round(s.emitted / wall, 2),
+        tau=round(s.tau, 2),
+        rounds=s.rounds,
+        loosely=s.loosely_accepted,
+        draft_s=round(s.draft_s, 2),
+        verify_s=round(s.verify_s, 2),
+        decide_s=round(s.decide_s, 4),
+        ids=req.generated,
+    )
 
 
 def main():
@@ -46,25 +56,27 @@ def main():
     args = ap.parse_args()
     torch.manual_seed(0)
     tok = load_tokenizer(DEFAULT_TARGET)
-    target = load_model(DEFAULT_TARGET, dtype=torch.bfloat16)
+    target = load_model(DEFAULT_TARGET, "bf16")
     prompt = chat_prompt(tok, PROMPT)
-    eos = eos_ids(target, tok)
-    tgt = Target(target, n_slots=1)
     base = dict(max_tokens=args.max_tokens, temperature=0.0)
     results = []
-    engine = Engine(tgt, None, tok, eos, max_batch=1)
+    engine = build_engine(target, None, tokenizer=tok, max_batch=1)
     run(engine, prompt, mode="ar", max_tokens=8)  # warm-up
     ar = run(engine, prompt, mode="ar", **base)
     results += [dict(ar, drafter="-"), dict(run(engine, prompt, mode="pld", k=max(args.k), **base), drafter="-")]
     for precision in args.drafters:
-        engine = Engine(tgt, ModelDrafter(load_drafter(DEFAULT_DRAFTER, precision), n_slots=1,
-                                          min_confidence=args.min_confidence), tok, eos, max_batch=1)
+        drafter = load_model(DEFAULT_DRAFTER, precision)
+        engine = build_engine(target, drafter, tokenizer=tok, max_batch=1, draft_min_confidence=args.min_confidence)
         run(engine, prompt, mode="spd", k=4, max_tokens=8)  # warm-up
         for k in args.k:
             variants = [dict(mode="spd"), dict(mode="fly"), dict(mode="fly", mla=False), dict(mode="spd", mla=False)]
             if args.extra:
-                variants += [dict(mode="fly", theta=0.0), dict(mode="fly", entropy="full"),
-                             dict(mode="fly", window_rule="authors"), dict(mode="fly", window=3)]
+                variants += [
+                    dict(mode="fly", theta=0.0),
+                    dict(mode="fly", entropy="full"),
+                    dict(mode="fly", window_rule="authors"),
+                    dict(mode="fly", window=3),
+                ]
             for v in variants:
                 results.append(dict(run(engine, prompt, k=k, **v, **base), drafter=precision))
     for r in results:

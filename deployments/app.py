@@ -1,6 +1,7 @@
 """Application builder: `serve run deployments.app:build target=... tp_size=2`, or a Serve config
 YAML whose `import_path: deployments.app:build` and `args:` feed AppArgs. Building binds the
 deployments only; weights load when the replicas start."""
+
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
@@ -8,10 +9,10 @@ from ray.serve import Application
 
 from fly_serve.weights import DEFAULT_DRAFTER, DEFAULT_TARGET
 
-from .drafter import DrafterDeployment
+from .drafter_replica import DrafterDeployment
 from .ingress import Ingress
-from .pld import PLDDeployment
-from .target import TargetDeployment
+from .lookup_replica import LookupDeployment
+from .target_replica import TargetDeployment
 
 
 class AppArgs(BaseModel):
@@ -45,12 +46,21 @@ def build(args: AppArgs | dict | None = None) -> Application:
     if a.tp_size > 1:
         replica_cpus = TargetDeployment.ray_actor_options.get("num_cpus", 0.2)
         bundles = tp_bundles(a.tp_size, a.tp_worker_options.get("num_cpus", 0.1), replica_cpus)
-        target_dep = TargetDeployment.options(placement_group_bundles=bundles,
-                                              placement_group_strategy="STRICT_PACK")
+        target_dep = TargetDeployment.options(placement_group_bundles=bundles, placement_group_strategy="STRICT_PACK")
     target_app = target_dep.bind(target, a.dtype, a.tp_size, a.max_batch, a.target_threads, a.tp_worker_options)
-    drafter_app = (DrafterDeployment.bind(drafter, a.drafter_precision, a.max_batch, a.drafter_threads)
-                   if drafter else None)
-    pld_app = PLDDeployment.bind() if a.pld == "deployment" else None
-    return Ingress.bind(target_app, drafter_app, pld_app, model=target, served_model_name=a.served_model_name,
-                        max_batch=a.max_batch, max_model_len=a.max_model_len, defaults=a.defaults,
-                        affinity_groups=a.affinity_groups)
+    drafter_app = (
+        DrafterDeployment.bind(drafter, a.drafter_precision, a.max_batch, a.drafter_threads) if drafter else None
+    )
+    lookup_app = LookupDeployment.bind() if a.pld == "deployment" else None
+    return Ingress.bind(
+        target_app,
+        drafter_app,
+        lookup_app,
+        model=target,
+        drafter=drafter,
+        served_model_name=a.served_model_name,
+        max_batch=a.max_batch,
+        max_model_len=a.max_model_len,
+        defaults=a.defaults,
+        affinity_groups=a.affinity_groups,
+    )

@@ -4,6 +4,7 @@ The Engine here is the in-process one; its target and drafter are proxies to the
 drafter deployments, so drafting and verification run in their own replicas while the decide
 step (FLy's gate and window, tensor ops over the batch) runs here, between the two calls.
 """
+
 import asyncio
 import json
 
@@ -13,13 +14,15 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 
 from fly_serve.engine import Engine
-from fly_serve.params import Params
+from fly_serve.loading import eos_ids, load_config, load_tokenizer
+from fly_serve.params import ParamError, Params
+from fly_serve.prompts import chat_text
+from fly_serve.weights import check_same_tokenizer
 
-from . import models
-from .loop import EngineLoop
-from .metrics import RoundMetrics
-from .openai_api import ChatRequest, CompletionRequest, Shape, error_body, field_of, new_id
-from .proxies import DrafterProxy, PLDProxy, TargetProxy
+from .engine_loop import EngineLoop
+from .openai_api import ChatRequest, CompletionRequest, Shape, error_body, new_id
+from .prometheus import RoundMetrics
+from .remote_parts import RemoteDrafter, RemoteLookup, RemoteScorer
 
 api = FastAPI(title="fly-serve")
 
@@ -59,18 +62,39 @@ def sse(body) -> str:
 @serve.deployment(name="FlyIngress", ray_actor_options={"num_cpus": 0.2}, max_ongoing_requests=64)
 @serve.ingress(api)
 class Ingress:
-    def __init__(self, target_handle, drafter_handle=None, pld_handle=None, *, model: str,
-                 served_model_name: str | None = None, max_batch: int = 8, max_model_len: int = 4096,
-                 defaults: dict | None = None, affinity_groups: int = 1):
-        self.tokenizer = models.tokenizer(model)
+    def __init__(
+        self,
+        target_handle,
+        drafter_handle=None,
+        lookup_handle=None,
+        *,
+        model: str,
+        drafter: str | None = None,
+        served_model_name: str | None = None,
+        max_batch: int = 8,
+        max_model_len: int = 4096,
+        defaults: dict | None = None,
+        affinity_groups: int = 1,
+    ):
+        self.tokenizer = load_tokenizer(model)
+        if drafter is not None:  # speculative decoding compares token ids
+            check_same_tokenizer(self.tokenizer, load_tokenizer(drafter))
         self.model_name = served_model_name or model
-        max_model_len = min(max_model_len, models.model_config(model).max_position_embeddings)
-        drafter = DrafterProxy(drafter_handle, affinity_groups) if drafter_handle else None
+        max_model_len = min(max_model_len, load_config(model).max_position_embeddings)
+        drafter = RemoteDrafter(drafter_handle, affinity_groups) if drafter_handle else None
         self.drafter_handle = drafter_handle
-        engine = Engine(TargetProxy(target_handle), drafter, self.tokenizer, models.stop_ids(model, self.tokenizer),
-                        max_batch=max_batch, max_model_len=max_model_len, defaults=Params(**(defaults or {})))
-        if pld_handle is not None:
-            engine.pld = PLDProxy(pld_handle)
+        scorer = RemoteScorer(target_handle, len(self.tokenizer))
+        engine = Engine(
+            scorer,
+            drafter,
+            self.tokenizer,
+            eos_ids(model, self.tokenizer),
+            max_batch=max_batch,
+            max_model_len=max_model_len,
+            defaults=Params.from_dict(defaults or {}),
+        )
+        if lookup_handle is not None:
+            engine.drafters["lookup"] = RemoteLookup(lookup_handle)
         self.loop = EngineLoop(engine, RoundMetrics())
 
     # ---- routes
@@ -80,14 +104,16 @@ class Ingress:
 
     @api.get("/v1/models")
     def list_models(self):
-        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
-                                            "owned_by": "fly-serve"}]}
+        return {
+            "object": "list",
+            "data": [{"id": self.model_name, "object": "model", "created": 0, "owned_by": "fly-serve"}],
+        }
 
     @api.get("/v1/fly/stats")
     async def stats(self):
-        out = self.loop.stats()
+        out = self.loop.snapshot()
         if self.drafter_handle is not None:
-            out["drafter_cache"] = await self.drafter_handle.cache_stats.remote()
+            out["drafter_cache"] = await self.drafter_handle.cache_report.remote()
         return out
 
     @api.post("/v1/completions")
@@ -96,37 +122,45 @@ class Ingress:
 
     @api.post("/v1/chat/completions")
     async def chat(self, body: ChatRequest):
-        def prompt():
-            messages = [m.model_dump() for m in body.messages]
-            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return await self._serve(body, chat=True, prompt=prompt)
+        return await self._serve(
+            body, chat=True, prompt=lambda: chat_text(self.tokenizer, [m.model_dump() for m in body.messages])
+        )
 
     # ---- one request
     async def _serve(self, body, chat: bool, prompt):
         if body.model not in (None, self.model_name):
-            raise ApiError(404, f"model: {body.model!r} is not served here (try {self.model_name!r})",
-                           "model", code="model_not_found")
+            raise ApiError(
+                404,
+                f"model: {body.model!r} is not served here (try {self.model_name!r})",
+                "model",
+                code="model_not_found",
+            )
         rid = new_id("chatcmpl" if chat else "cmpl")
         updates = await self._start(rid, body, prompt)
         shape = Shape(chat, rid, self.model_name)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(self._stream(rid, updates, shape, include_usage),
-                                     media_type="text/event-stream")
+            return StreamingResponse(self._stream(rid, updates, shape, include_usage), media_type="text/event-stream")
         return await self._collect(rid, updates, shape)
 
     async def _start(self, rid, body, prompt) -> asyncio.Queue:
         try:
             params, text = body.params(), prompt()
-        except ValueError as e:
-            raise ApiError(400, str(e), field_of(e)) from e
+        except ParamError as e:
+            raise ApiError(400, str(e), e.field) from e
         updates: asyncio.Queue = asyncio.Queue()
         aloop = asyncio.get_running_loop()
-        sink = lambda u: aloop.call_soon_threadsafe(updates.put_nowait, u)  # noqa: E731 (engine thread)
+
+        def sink(update):  # called on the engine thread
+            aloop.call_soon_threadsafe(updates.put_nowait, update)
+
         try:
             await asyncio.wrap_future(self.loop.submit(text, params, rid, sink))
-        except ValueError as e:
-            raise ApiError(400, str(e), request_field(body, field_of(e))) from e
+        except ParamError as e:
+            raise ApiError(400, str(e), request_field(body, e.field)) from e
+        except asyncio.CancelledError:  # the client left: never leave its request running
+            self.loop.abort(rid)
+            raise
         return updates
 
     async def _collect(self, rid, updates, shape):
@@ -165,4 +199,3 @@ class Ingress:
         finally:
             if not done:
                 self.loop.abort(rid)
-

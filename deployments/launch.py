@@ -1,5 +1,6 @@
 """`fly-serve serve`: a local Ray, the Serve config deployed as `serve run <config>` would,
 a line when the API answers, then block until Ctrl-C."""
+
 import argparse
 import os
 import signal
@@ -26,6 +27,7 @@ def parse(argv):
 
 def load_config(path: str, host: str, port: int, tiny: bool):
     from ray.serve.schema import ServeDeploySchema
+
     raw = yaml.safe_load(Path(path).read_text())
     raw["http_options"] = {**raw.get("http_options", {}), "host": host, "port": port}
     if tiny:
@@ -57,10 +59,14 @@ def main(argv=None) -> int:
     from ray.serve._private import api as serve_api
 
     config = load_config(args.config, args.host, args.port, args.tiny)
-    ray.init(address="local", num_cpus=args.num_cpus, include_dashboard=False, namespace="serve",
-             _node_ip_address="127.0.0.1")
-    client = serve_api.serve_start(http_options=config.http_options.model_dump(),
-                                   proxy_location=config.proxy_location)
+    ray.init(
+        address="local",
+        num_cpus=args.num_cpus,
+        include_dashboard=False,
+        namespace="serve",
+        _node_ip_address="127.0.0.1",
+    )
+    client = serve_api.serve_start(http_options=config.http_options.model_dump(), proxy_location=config.proxy_location)
     client.deploy_apps(config, _blocking=False)
     url = f"http://{args.host}:{args.port}"
     print(f"fly-serve: deploying {args.config} ...", flush=True)
@@ -74,6 +80,7 @@ def main(argv=None) -> int:
             time.sleep(3600)
     except KeyboardInterrupt:
         from ray import serve
+
         serve.shutdown()
         ray.shutdown()
     return 0

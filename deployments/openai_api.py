@@ -3,35 +3,38 @@
 Unknown top-level OpenAI fields are ignored (clients send many); the `fly` object is strict,
 since a mistyped knob silently ignored would measure the wrong thing.
 """
+
 import time
+import typing
 import uuid
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, create_model
+
+from fly_serve.params import ParamError, knobs
 
 
-class FlyOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    mode: str | None = None
-    k: int | None = None
-    theta: float | None = None
-    window: int | None = None
-    entropy: str | None = None
-    window_rule: str | None = None
-    mla: bool | None = None
+def _api_fields(group: str) -> dict:
+    """Optional pydantic fields for the Params knobs of one API group (params.py is the one
+    list of knobs): unset fields take the profile's defaults. A list knob also takes one item."""
+    out = {}
+    for f in knobs(group):
+        tp = f.type
+        if typing.get_origin(tp) is list:
+            tp = typing.get_args(tp)[0] | tp
+        out[f.name] = (tp | None, Field(None, description=f.metadata["help"]))
+    return out
+
+
+FlyOptions = create_model("FlyOptions", __config__=ConfigDict(extra="forbid"), **_api_fields("fly"))
+Sampling = create_model("Sampling", __config__=ConfigDict(extra="ignore"), **_api_fields("openai"))
 
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class Common(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class Common(Sampling):
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -40,8 +43,8 @@ class Common(BaseModel):
     def params(self) -> dict:
         """Engine params: only what the client set; the engine fills in its defaults."""
         if self.n != 1:
-            raise ValueError("n: only n=1 is supported")
-        own = {k: getattr(self, k) for k in ("max_tokens", "temperature", "top_p", "stop", "seed")}
+            raise ParamError("n", "only n=1 is supported")
+        own = {k: getattr(self, k) for k in Sampling.model_fields}
         fly = self.fly.model_dump(exclude_none=True) if self.fly else {}
         return {k: v for k, v in own.items() if v is not None} | fly
 
@@ -52,7 +55,7 @@ class CompletionRequest(Common):
     def prompt_input(self):
         if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str):
             if len(self.prompt) != 1:
-                raise ValueError("prompt: a list of several prompts is not supported; send one")
+                raise ParamError("prompt", "a list of several prompts is not supported; send one")
             return self.prompt[0]
         return self.prompt
 
@@ -77,12 +80,6 @@ def error_body(message: str, param: str | None, kind: str = "invalid_request_err
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-def field_of(error: ValueError) -> str | None:
-    """The engine's ValueErrors read "field: why"."""
-    head, sep, _ = str(error).partition(":")
-    return head.strip() if sep and " " not in head.strip() else None
-
-
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
@@ -99,8 +96,11 @@ class Shape:
 
     @staticmethod
     def usage(update) -> dict:
-        return {"prompt_tokens": update.prompt_tokens, "completion_tokens": update.completion_tokens,
-                "total_tokens": update.prompt_tokens + update.completion_tokens}
+        return {
+            "prompt_tokens": update.prompt_tokens,
+            "completion_tokens": update.completion_tokens,
+            "total_tokens": update.prompt_tokens + update.completion_tokens,
+        }
 
     def full(self, text: str, last) -> dict:
         choice = {"index": 0, "finish_reason": last.finish_reason, "logprobs": None}

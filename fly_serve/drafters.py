@@ -1,44 +1,56 @@
-"""Drafters: each proposes up to row.k tokens per row and, for sampling rows, the distribution q
-each token was drawn from (None: a deterministic proposal, one-hot q).
+"""Drafters (contracts.Drafter): each proposes up to row.k tokens per row and, for sampling rows,
+the distribution q each token was drawn from.
 
-PLDDrafter  prompt lookup alone (no model).
+LookupDrafter  prompt lookup alone (no model).
 ModelDrafter  a small model with its own KV cache. With MLA (multi-level acceleration) each
   drafter forward also checks a prompt-lookup proposal, exactly as the target checks drafts,
   so one forward can advance several tokens; without a match it advances one.
 """
+
 import torch
 
-from . import pld
-from .rows import Generators, Row
+from . import prompt_lookup
+from .contracts import Drafts, Row
 from .runner import Runner
-from .verify import decide, padded, probs, score
+from .sampling import Generators, probs, speculative_row
+from .verify import decide, greedy_check, padded
 
 
-class PLDDrafter:
+class LookupDrafter:
     def __init__(self, max_n: int = 4, min_n: int = 1):
         self.max_n, self.min_n = max_n, min_n
 
-    def propose(self, rows: list[Row]):
-        drafts = [pld.propose(r.tokens, r.k, self.max_n, self.min_n) for r in rows]
-        return drafts, [None] * len(rows)
+    def propose(self, rows: list[Row]) -> Drafts:
+        return Drafts([prompt_lookup.propose(r.tokens, r.k, self.max_n, self.min_n) for r in rows], [None] * len(rows))
 
-    def release(self, keys):
-        pass
+    def release(self, keys: list[str]) -> None:
+        pass  # no per-sequence state
 
 
 class ModelDrafter:
-    def __init__(self, model, n_slots: int = 8, max_n: int = 4, min_n: int = 1, min_confidence: float = 0.0):
+    def __init__(
+        self,
+        model,
+        n_slots: int = 8,
+        max_n: int = 4,
+        min_n: int = 1,
+        min_confidence: float = 0.0,
+        vocab_size: int | None = None,
+    ):
         self.runner = Runner(model, n_slots=n_slots)
         self.max_n, self.min_n = max_n, min_n
         # A greedy row stops drafting once the drafter's own probability of its token falls
         # below this: the tokens after it would mostly be thrown away (0: always draft k).
         self.min_confidence = min_confidence
+        # The tokens the tokenizer knows (model_scorer.py cuts the target's logits the same way),
+        # so q has the target's width and no padding row of a wider head is ever drafted.
+        self.vocab_size = vocab_size or model.config.vocab_size
         self.generators = Generators(salt=1)
         self.forwards = 0  # drafter forwards, all rows together, since start
         self.hits = 0  # rows whose KV cache this drafter already held (session affinity)
         self.misses = 0
 
-    def propose(self, rows: list[Row]):
+    def propose(self, rows: list[Row]) -> Drafts:
         cache = self.runner.cache
         for r in rows:
             warm = cache.valid(r.key, r.tokens) > 0
@@ -53,25 +65,30 @@ class ModelDrafter:
         while active:
             unsure = self._step([rows[b] for b in active], [drafts[b] for b in active], [qs[b] for b in active])
             active = [b for i, b in enumerate(active) if len(drafts[b]) < rows[b].k and i not in unsure]
-        return drafts, [torch.stack(q) if rows[b].sampled else None for b, q in enumerate(qs)]
+        return Drafts(drafts, [torch.stack(q) if rows[b].sampled else None for b, q in enumerate(qs)])
 
-    def _step(self, rows, drafts, qs) -> set[int]:
+    def _step(self, rows: list[Row], drafts: list[list[int]], qs: list[list]) -> set[int]:
         """One batched drafter forward: each row feeds its last token plus a lookup proposal and
         keeps the proposal's verified prefix and the drafter's next token (extends drafts, qs).
         Returns the rows whose new token fell below min_confidence."""
         contexts = [r.tokens + d for r, d in zip(rows, drafts)]
-        proposals = [pld.propose(c, r.k - len(d) - 1, self.max_n, self.min_n) if r.mla else []
-                     for c, r, d in zip(contexts, rows, drafts)]
-        keys = [r.key for r in rows]
-        logits, _ = self.runner.feed(keys, [c + p for c, p in zip(contexts, proposals)],
-                                     tail=[1 + len(p) for p in proposals])
+        proposals = [
+            prompt_lookup.propose(c, r.k - len(d) - 1, self.max_n, self.min_n) if r.mla else []
+            for c, r, d in zip(contexts, rows, drafts)
+        ]
+        logits, _ = self.runner.feed(
+            [r.key for r in rows], [c + p for c, p in zip(contexts, proposals)], tail=[1 + len(p) for p in proposals]
+        )
+        logits = logits[..., : self.vocab_size]
         self.forwards += 1
         proposed, n = padded(proposals)
-        sampled = [(b, None, r.temperature, r.top_p, self.generators.get(r))
-                   for b, r in enumerate(rows) if r.sampled]
-        ok, y = score(logits, proposed, n, sampled)
-        strict = torch.ones(len(rows))
-        accept_len, _ = decide(ok, None, n, theta=strict, window=torch.zeros(len(rows), dtype=torch.long))
+        ok, y = greedy_check(logits, proposed, n)
+        for b, r in enumerate(rows):
+            if r.sampled:  # drafts stay distributed as q: lookup proposals pass by speculative sampling
+                p = probs(logits[b, : int(n[b]) + 1].cpu(), r.temperature, r.top_p)
+                ok[b], y[b] = speculative_row(p, proposed[b], int(n[b]), None, self.generators.get(r))
+        none = torch.zeros(len(rows), dtype=torch.long)
+        accept_len, _ = decide(ok, None, n, theta=torch.ones(len(rows)), check=none)
         unsure = set()
         if self.min_confidence > 0:
             last = logits[torch.arange(len(rows)), accept_len.to(logits.device)]
@@ -82,9 +99,9 @@ class ModelDrafter:
             room = r.k - len(drafts[b])
             drafts[b].extend(new[:room])
             if r.sampled:
-                qs[b].extend(probs(logits[b, :min(a + 1, room)].cpu(), r.temperature, r.top_p))
+                qs[b].extend(probs(logits[b, : min(a + 1, room)].cpu(), r.temperature, r.top_p))
         return unsure
 
-    def release(self, keys):
+    def release(self, keys: list[str]) -> None:
         self.runner.release(keys)
         self.generators.release(keys)

@@ -1,72 +1,145 @@
-"""Per-request knobs, checked up front: a bad value is a ValueError that names the field."""
+"""Per-request knobs, the one list of them, and the table of modes.
+
+`Params` is the only place a knob is declared: the HTTP API's option models and the command
+line's flags are derived from its fields (their `metadata`), so a knob added here appears in
+both. A bad value is a `ParamError` that names the field.
+"""
+
 from dataclasses import dataclass, field, fields
 
-from .verify import ENTROPIES, WINDOW_RULES
+ENTROPIES = ("topk", "full")  # top-3 entropy in nats (authors' code, vLLM port); normalized full-vocab (paper)
+WINDOW_RULES = ("paper", "authors")  # paper: W positions after j; authors' code: W - 1 (both need j + W <= K)
+MAX_SEED = 2**63 - 1
 
-MODES = ("ar", "spd", "fly", "pld")  # plain decoding, standard SPD, FLy, prompt lookup alone
+
+class ParamError(ValueError):
+    """A request field with a bad value; `field` is the knob's name as the engine knows it."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field, self.message = field, message
+
+
+@dataclass(frozen=True)
+class Mode:
+    """What a mode drafts with, and how its drafts are judged."""
+
+    name: str
+    drafter: str | None  # None: no drafts (plain decoding); "lookup": prompt lookup; "model": the draft model
+    loose: bool  # FLy's entropy gate and deferred window decide; False: strict (standard SPD)
+    help: str
+
+
+MODES: dict[str, Mode] = {
+    m.name: m
+    for m in (
+        Mode("ar", None, False, "plain decoding of the target"),
+        Mode("pld", "lookup", False, "prompt lookup drafts for the target, strict"),
+        Mode("spd", "model", False, "standard speculative decoding with the draft model"),
+        Mode("fly", "model", True, "FLy: draft model, entropy gate and deferred window"),
+    )
+}
+
+
+def knob(default, help: str, api: str | None = "fly", choices=None, **kw):
+    """A Params field. api: "fly" (the request's `fly` object), "openai" (a top-level OpenAI
+    field), None (engine only)."""
+    meta = {"help": help, "api": api, "choices": choices}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta, **kw)
+    return field(default=default, metadata=meta, **kw)
+
+
+def default_window(k: int) -> int:
+    """W when the request sets none: 6 (the paper's), but always < k so a window fits a round."""
+    return max(0, min(6, k - 1))
 
 
 @dataclass
 class Params:
-    mode: str = "fly"
-    k: int = 15  # drafts per round (measured on the default pair: README, "Measurements")
-    theta: float = 0.3  # entropy gate: defer a mismatch only where the target's entropy >= theta
-    window: int = 6  # W: a deferred mismatch is kept if the next W positions match
-    entropy: str = "topk"  # "topk": top-3 entropy in nats; "full": normalized full-vocabulary
-    window_rule: str = "paper"  # "paper": W positions after j; "authors": W - 1
-    mla: bool = True  # model drafter accelerated by prompt lookup
-    temperature: float = 0.0
-    top_p: float = 1.0
-    max_tokens: int = 256
-    stop: list[str] = field(default_factory=list)
-    seed: int | None = None
+    mode: str = knob("fly", "decoding mode", choices=tuple(MODES))
+    k: int = knob(15, "drafts per round (a cap)")
+    theta: float = knob(0.3, "entropy gate: defer a mismatch only where the target's entropy >= theta; >= 1 is SPD")
+    window: int | None = knob(
+        None, "W: a deferred mismatch is kept if the next W positions match (default min(6, k - 1))"
+    )
+    entropy: str = knob("topk", "entropy the gate reads", choices=ENTROPIES)
+    window_rule: str = knob("paper", "paper: W positions after a mismatch; authors: W - 1", choices=WINDOW_RULES)
+    mla: bool = knob(True, "model drafter accelerated by prompt lookup")
+    temperature: float = knob(0.0, "sampling temperature (0: greedy)", api="openai")
+    top_p: float = knob(1.0, "nucleus sampling", api="openai")
+    max_tokens: int = knob(256, "most tokens to generate", api="openai")
+    stop: list[str] = knob([], "stop strings", api="openai")
+    seed: int | None = knob(None, "seed of this request's random numbers", api="openai")
 
     @classmethod
     def from_dict(cls, d: dict) -> "Params":
         known = {f.name for f in fields(cls)}
-        unknown = set(d) - known
+        unknown = sorted(set(d) - known)
         if unknown:
-            raise ValueError(f"{sorted(unknown)[0]}: unknown field")
+            raise ParamError(unknown[0], "unknown field")
         return cls(**d)
+
+    def merged(self, overrides: dict) -> "Params":
+        """These params (a profile's defaults) with a request's fields on top."""
+        return Params.from_dict({**self.__dict__, **overrides})
+
+    @property
+    def mode_spec(self) -> Mode:
+        return MODES[self.mode]
+
+    @property
+    def effective_window(self) -> int:
+        return default_window(self.k) if self.window is None else self.window
 
     def validate(self, prompt_len: int, max_model_len: int) -> "Params":
         def bad(name, why):
-            raise ValueError(f"{name}: {why} (got {getattr(self, name)!r})")
+            raise ParamError(name, f"{why} (got {getattr(self, name)!r})")
 
         def is_int(v):
             return isinstance(v, int) and not isinstance(v, bool)
 
+        def is_num(v):
+            return isinstance(v, (int, float)) and not isinstance(v, bool)
+
         if prompt_len < 1:
-            raise ValueError("prompt: must not be empty")
+            raise ParamError("prompt", "must not be empty")
         if self.mode not in MODES:
             bad("mode", f"must be one of {', '.join(MODES)}")
         if not is_int(self.max_tokens) or self.max_tokens < 1:
             bad("max_tokens", "must be an integer >= 1")
         if prompt_len + self.max_tokens > max_model_len:
-            bad("max_tokens", f"prompt ({prompt_len} tokens) + max_tokens exceeds the context window "
-                              f"of {max_model_len} tokens")
+            bad(
+                "max_tokens",
+                f"prompt ({prompt_len} tokens) + max_tokens exceeds the context window of {max_model_len} tokens",
+            )
         if not is_int(self.k) or self.k < 1:
             bad("k", "must be an integer >= 1")
-        if not isinstance(self.theta, (int, float)) or not 0 <= self.theta <= 1:
+        if not is_num(self.theta) or not 0 <= self.theta <= 1:
             bad("theta", "must be in [0, 1]")
-        if not is_int(self.window) or self.window < 0:
+        if self.window is not None and (not is_int(self.window) or self.window < 0):
             bad("window", "must be an integer >= 0")
-        if self.mode == "fly" and self.window >= self.k:
+        if self.mode_spec.loose and self.effective_window >= self.k:
             bad("window", f"must be < k ({self.k})")
         if self.entropy not in ENTROPIES:
             bad("entropy", f"must be one of {', '.join(ENTROPIES)}")
         if self.window_rule not in WINDOW_RULES:
             bad("window_rule", f"must be one of {', '.join(WINDOW_RULES)}")
-        if not isinstance(self.temperature, (int, float)) or not 0 <= self.temperature <= 100:
+        if not is_num(self.temperature) or not 0 <= self.temperature <= 100:
             bad("temperature", "must be in [0, 100]")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+        if not is_num(self.top_p) or not 0 < self.top_p <= 1:
             bad("top_p", "must be in (0, 1]")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             bad("stop", "must be a non-empty string or a list of them")
-        if self.seed is not None and not is_int(self.seed):
-            bad("seed", "must be an integer")
+        if self.seed is not None and (not is_int(self.seed) or abs(self.seed) > MAX_SEED):
+            bad("seed", f"must be an integer of magnitude <= {MAX_SEED}")
         if not isinstance(self.mla, bool):
             bad("mla", "must be true or false")
         return self
+
+
+def knobs(api: str | None = None):
+    """The Params fields (dataclasses.Field) of one API group, or all of them."""
+    return [f for f in fields(Params) if api is None or f.metadata.get("api") == api]

@@ -5,6 +5,7 @@ slice of the MLP. Row-parallel (split input features): o, down -> each rank's ou
 sum, which Runner all-reduces. Embeddings, norms and lm_head stay whole on every rank.
 Works over NCCL on GPUs and gloo on CPUs (torch.distributed picks by backend).
 """
+
 import os
 
 import torch
@@ -28,8 +29,10 @@ def shard(model, rank: int, world: int):
     """Shard `model` in place for `rank` of `world`; returns it."""
     cfg = model.config
     if cfg.num_attention_heads % world or cfg.num_key_value_heads % world:
-        raise ValueError(f"tp_size: {world} must divide the number of attention heads "
-                         f"({cfg.num_attention_heads}) and of KV heads ({cfg.num_key_value_heads})")
+        raise ValueError(
+            f"tp_size: {world} must divide the number of attention heads "
+            f"({cfg.num_attention_heads}) and of KV heads ({cfg.num_key_value_heads})"
+        )
     if cfg.intermediate_size % world:
         raise ValueError(f"tp_size: {world} must divide intermediate_size ({cfg.intermediate_size})")
     for layer in model.model.layers:
@@ -47,6 +50,5 @@ def init_group(rank: int, world: int, addr: str = "127.0.0.1", port: int = 29511
     os.environ.setdefault("MASTER_ADDR", addr)
     os.environ.setdefault("MASTER_PORT", str(port))
     if not dist.is_initialized():
-        dist.init_process_group(backend, rank=rank, world_size=world,
-                                init_method=f"tcp://{addr}:{port}")
+        dist.init_process_group(backend, rank=rank, world_size=world, init_method=f"tcp://{addr}:{port}")
     return dist.group.WORLD

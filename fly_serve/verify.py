@@ -1,123 +1,76 @@
-"""Verification for a batch [B, K]: tensors in, tensors out.
+"""FLy's verification as tensors in, tensors out: vLLM's words (accepted, recovered, bonus) plus
+*loosely accepted* for a mismatch FLy keeps.
 
-Words (as in vLLM's rejection sampler, plus FLy's own):
-  accepted          a draft token the target agrees with (greedy: equal to its argmax;
-                    sampling: it passes the u < p/q test)
-  loosely accepted  a draft token the target disagrees with that FLy keeps anyway: the target
-                    was unsure there (entropy gate) and the next W positions agree (window)
-  recovered         the target's token at the rejected position
-  bonus             the target's extra token when no draft is rejected
-
-Two halves, so that a remote target ships small tensors:
-  score()  runs where the target's logits are: per position ok [B, K], the target's token y
-           [B, K+1] (recovered token at i < K, bonus at the row's K) and the entropy h [B, K].
-  decide() is FLy itself: gate and window over ok and h, all rows at once, no loop over
-           positions.
-Rows have their own number of drafts n[b] (padded to K); n[b] = 0 is plain decoding.
+`greedy_check` runs next to the target's logits; `decide` is FLy for the whole batch as [B, K]
+tensor ops (a prefix sum finds clean windows, an argmax the first rejection). tests/reference.py
+is a scalar Algorithm 1 that `decide` must agree with.
 """
+
 import math
 
 import torch
 
-WINDOW_RULES = ("paper", "authors")  # paper: W positions after j; authors' code: W - 1
-ENTROPIES = ("topk", "full")  # top-3 entropy in nats (authors' code); normalized full-vocab (paper)
 
-
-def entropy(logits: torch.Tensor, kind: str = "topk", top_k: int = 3) -> torch.Tensor:
-    """Entropy of softmax(logits) over the last dim, as the gate reads it."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
+def entropy(p: torch.Tensor, kind: str = "topk", top_k: int = 3) -> torch.Tensor:
+    """The gate's entropy of a distribution p (probabilities over the last dim): "full" is the
+    entropy normalized by log V (the paper), "topk" the entropy in nats of the top-3
+    probabilities (the authors' code and the vLLM port). At T > 0, p is the processed
+    (tempered, top-p) distribution, as the vLLM port reads it."""
+    p = p.float()
     if kind == "full":
-        return -(logp.exp() * logp).sum(-1) / math.log(logits.shape[-1])
-    top = logp.topk(min(top_k, logits.shape[-1]), dim=-1).values
-    return -(top.exp() * top).sum(-1)
-
-
-def probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
-    """The sampling distribution: temperature, then nucleus (top-p) filtering."""
-    p = torch.softmax(logits.float() / temperature, dim=-1)
-    if top_p < 1.0:
-        sorted_p, idx = p.sort(dim=-1, descending=True)
-        drop = sorted_p.cumsum(-1) - sorted_p > top_p  # keep the smallest set reaching top_p
-        sorted_p = sorted_p.masked_fill(drop, 0.0)
-        p = torch.zeros_like(p).scatter(-1, idx, sorted_p)
-        p = p / p.sum(-1, keepdim=True)
-    return p
+        return -torch.special.xlogy(p, p).sum(-1) / math.log(p.shape[-1])
+    top = p.topk(min(top_k, p.shape[-1]), dim=-1).values
+    return -torch.special.xlogy(top, top).sum(-1)
 
 
 def padded(lists: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row token lists -> (tokens [B, max len] right-padded with 0, lengths [B])."""
-    n = torch.tensor([len(t) for t in lists])
+    n = torch.tensor([len(t) for t in lists], dtype=torch.long)
     out = torch.zeros(len(lists), int(n.max()) if len(lists) else 0, dtype=torch.long)
     for b, t in enumerate(lists):
-        out[b, :len(t)] = torch.tensor(t, dtype=torch.long)
+        out[b, : len(t)] = torch.tensor(t, dtype=torch.long)
     return out, n
 
 
-def _sample(p: torch.Tensor, generator) -> torch.Tensor:
-    return torch.multinomial(p, 1, generator=generator).squeeze(-1)
-
-
-def score_row_sampled(logits, drafts, n, q, temperature, top_p, generator):
-    """One sampling row. logits [K+1, V], drafts [K], q [n, V] or None (a one-hot proposal,
-    as from prompt lookup). Returns ok [K], y [K+1]."""
-    K = drafts.shape[0]
-    p = probs(logits[: n + 1].cpu(), temperature, top_p)  # [n+1, V]; the generators live on the CPU
-    d = drafts[:n]
-    p_d = p[torch.arange(n), d]
-    if q is None:
-        q = torch.nn.functional.one_hot(d, p.shape[-1]).float()
-    q_d = q[torch.arange(n), d]
-    u = torch.rand(n, generator=generator)
-    ok = torch.zeros(K, dtype=torch.bool)
-    ok[:n] = u * q_d < p_d  # u < p/q without dividing by zero
-    residual = (p[:n] - q).clamp(min=0)
-    empty = residual.sum(-1, keepdim=True) <= 0  # p == q: any sample of p is exact
-    residual = torch.where(empty, p[:n], residual)
-    y = torch.zeros(K + 1, dtype=torch.long)
-    if n:
-        y[:n] = _sample(residual / residual.sum(-1, keepdim=True), generator)
-    y[n] = _sample(p[n], generator)
-    return ok, y
-
-
-def score(logits, drafts, n, rows_sampled=()):
+def greedy_check(logits: torch.Tensor, drafts: torch.Tensor, n: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [B, K+1, V] over [pending token, d_1..d_K]; drafts [B, K]; n [B] drafts per row.
-
-    rows_sampled: (row, q or None, temperature, top_p, generator) for rows that sample; the rest
-    are greedy. Returns ok [B, K] bool and y [B, K+1] long, on the CPU (they are small).
-    """
+    Returns ok [B, K] (False past n) and the target's tokens y [B, K+1], on the CPU."""
     y = logits.argmax(-1).cpu()
-    ok = drafts == y[:, :-1]
-    for b, q, temperature, top_p, gen in rows_sampled:
-        ok[b], y[b] = score_row_sampled(logits[b], drafts[b], int(n[b]), q, temperature, top_p, gen)
     K = drafts.shape[1]
-    ok &= torch.arange(K)[None, :] < n[:, None]
+    ok = (drafts == y[:, :-1]) & (torch.arange(K)[None, :] < n[:, None])
     return ok, y
 
 
-def effective_window(window: int, rule: str = "paper") -> int:
-    """Positions the window checks after a mismatch: W (paper), W - 1 (authors' code)."""
-    return max(window - (rule == "authors"), 0)
+def window_positions(window: int, rule: str = "paper") -> tuple[int, int]:
+    """(positions the window checks after a mismatch, positions it must fit in the round).
+
+    Paper: W and W (j + W <= K). Authors' code: W - 1 checked, but the window must still end
+    inside the drafts (j + W <= K)."""
+    return (max(window - 1, 0) if rule == "authors" else window), window
 
 
-def decide(ok, h, n, theta, window):
+def decide(ok, h, n, theta, check, span=None, support=None):
     """FLy's decision for every row at once.
 
-    ok [B, K] (False past n), h [B, K] or None, n [B], theta [B] (>= 1: strict, standard
-    speculative decoding), window [B] (positions checked, see effective_window).
+    ok [B, K] (False past n); h [B, K] or None; n [B]; theta [B] (>= 1: strict, standard
+    speculative decoding); check [B] positions the window checks after a mismatch; span [B]
+    positions it must fit (j + span <= n; default: check); support [B, K] or None: a mismatch
+    may be deferred only where the target gives the draft token p > 0.
     Returns accept_len [B]: drafts kept, the emitted tokens being d_1..d_a then y_a; and
     loosely [B, K], the mismatches kept.
     """
     B, K = ok.shape
     i = torch.arange(K)[None, :]
-    w = window[:, None]
-    # Mismatches in (i, i + w]: a prefix sum, so every position is checked at once.
+    span = check if span is None else span
+    # Mismatches in (i, i + check]: a prefix sum, so every position is checked at once.
     miss = torch.cat([torch.zeros(B, 1, dtype=torch.long), (~ok).long().cumsum(1)], dim=1)
-    end = (i + 1 + w).clamp(max=K)
+    end = (i + 1 + check[:, None]).clamp(max=K)
     clean = (miss.gather(1, end) - miss[:, 1:]) == 0
-    fits = i + w < n[:, None]  # the window lies inside this round's drafts (j + W <= K)
+    fits = i + span[:, None] < n[:, None]  # the window lies inside this round's drafts (j + W <= K)
     unsure = torch.zeros_like(ok) if h is None else (h >= theta[:, None]) & (theta[:, None] < 1)
     deferred = ~ok & unsure & clean & fits
+    if support is not None:
+        deferred &= support
     stop = (~ok & ~deferred) | (i >= n[:, None])
     stop = torch.cat([stop, torch.ones(B, 1, dtype=torch.bool)], dim=1)
     accept_len = stop.int().argmax(1)  # first stop

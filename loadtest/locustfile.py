@@ -5,6 +5,7 @@ requests, i.e. the engine's batch size. Bounded: --run-time caps the time and
 FLY_MAX_REQUESTS caps each user's requests. Headless runs for 1, 4 and 8 users: run.sh.
 Env: FLY_MODE (fly|ar|spd|pld, default fly), FLY_MAX_TOKENS (default 32), FLY_MAX_REQUESTS (default 20).
 """
+
 import os
 from urllib.parse import urlparse
 
@@ -44,8 +45,7 @@ class CompletionUser(HttpUser):
         prompt = PROMPTS[self.sent % len(PROMPTS)]
         self.sent += 1
         body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "fly": {"mode": MODE}}
-        with self.client.post("/v1/completions", json=body, name=f"/v1/completions [{MODE}]",
-                              catch_response=True) as r:
+        with self.client.post("/v1/completions", json=body, name=f"/v1/completions [{MODE}]", catch_response=True) as r:
             if r.status_code != 200:
                 r.failure(f"HTTP {r.status_code}: {r.text[:200]}")
                 return
@@ -55,6 +55,11 @@ class CompletionUser(HttpUser):
                 r.failure("no tokens")
                 return
             # tokens/s per request, as a custom "request" row in Locust's table
-            events.request.fire(request_type="TOKENS", name=f"completion_tokens [{MODE}]",
-                                response_time=r.elapsed.total_seconds() * 1000, response_length=tokens,
-                                exception=None, context={})
+            events.request.fire(
+                request_type="TOKENS",
+                name=f"completion_tokens [{MODE}]",
+                response_time=r.elapsed.total_seconds() * 1000,
+                response_length=tokens,
+                exception=None,
+                context={},
+            )

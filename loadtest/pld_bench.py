@@ -1,5 +1,6 @@
 """Per-round cost of prompt lookup for `pld` mode: in-process (in the ingress, the default) vs a
 call to the PLD deployment.   python loadtest/pld_bench.py [--batch 8] [--tokens 600]"""
+
 import argparse
 import os
 import random
@@ -13,7 +14,8 @@ sys.path.insert(0, str(ROOT))
 
 
 def rows_for(batch, n_tokens, k):
-    from fly_serve.rows import Row
+    from fly_serve.contracts import Row
+
     rng = random.Random(0)
     # code-like text repeats n-grams, so lookups find matches (the realistic, costlier case)
     vocab = [rng.randrange(150_000) for _ in range(200)]
@@ -26,7 +28,10 @@ def timed(fn, n):
         t = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t)
-    return {"median_ms": round(statistics.median(times) * 1e3, 3), "p90_ms": round(sorted(times)[int(n * .9)] * 1e3, 3)}
+    return {
+        "median_ms": round(statistics.median(times) * 1e3, 3),
+        "p90_ms": round(sorted(times)[int(n * 0.9)] * 1e3, 3),
+    }
 
 
 def main():
@@ -41,16 +46,21 @@ def main():
     import ray
     from ray import serve
 
-    from deployments.pld import PLDDeployment
-    from fly_serve.drafters import PLDDrafter
+    from deployments.lookup_replica import LookupDeployment
+    from fly_serve.drafters import LookupDrafter
+
     rows = rows_for(a.batch, a.tokens, a.k)
-    local = PLDDrafter()
+    local = LookupDrafter()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    handle = serve.run(PLDDeployment.bind(), name="pld", route_prefix=None)
+    handle = serve.run(LookupDeployment.bind(), name="pld", route_prefix=None)
     handle.propose.remote(rows).result()  # warm-up
-    out = {"batch": a.batch, "tokens": a.tokens, "k": a.k,
-           "in_process": timed(lambda: local.propose(rows), a.n),
-           "deployment": timed(lambda: handle.propose.remote(rows).result(), a.n)}
+    out = {
+        "batch": a.batch,
+        "tokens": a.tokens,
+        "k": a.k,
+        "in_process": timed(lambda: local.propose(rows), a.n),
+        "deployment": timed(lambda: handle.propose.remote(rows).result(), a.n),
+    }
     serve.shutdown()
     ray.shutdown()
     print(out)

@@ -3,11 +3,12 @@
   python loadtest/serve_bench.py --max-tokens 48            # both phases, prints a JSON summary
   python loadtest/serve_bench.py --phase serve --config deployments/cpu-default.yaml
 
-Phase "inprocess": one request at a time through fly_serve.pair.build_engine (no Ray).
+Phase "inprocess": one request at a time through fly_serve.build.build_engine (no Ray).
 Phase "serve": the same single request through the Serve app (latency -> overhead ratio), then
 1, 4 and 8 concurrent requests (distinct prompts) for each mode: tokens/s = all completion
 tokens / wall time of the wave. The phases run one after the other so they never share cores.
 """
+
 import argparse
 import json
 import os
@@ -21,44 +22,42 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 PROMPTS = [
-    "def quicksort(arr):\n    \"\"\"Sort a list with quicksort.\"\"\"\n",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
-    "class Stack:\n    \"\"\"A LIFO stack backed by a list.\"\"\"\n",
+    'def quicksort(arr):\n    """Sort a list with quicksort."""\n',
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
+    'class Stack:\n    """A LIFO stack backed by a list."""\n',
     "def is_prime(n: int) -> bool:\n",
-    "def read_csv(path):\n    \"\"\"Read a CSV file into a list of dicts.\"\"\"\n",
+    'def read_csv(path):\n    """Read a CSV file into a list of dicts."""\n',
     "def binary_search(xs, target):\n",
     "def word_count(text: str) -> dict[str, int]:\n",
-    "def merge_sorted(a, b):\n    \"\"\"Merge two sorted lists.\"\"\"\n",
+    'def merge_sorted(a, b):\n    """Merge two sorted lists."""\n',
 ]
 
 
 def in_process(args) -> dict:
-    from fly_serve.pair import build_engine
-    if args.tiny:
-        from deployments import models
-        from fly_serve.drafters import ModelDrafter
-        from fly_serve.engine import Engine
-        from fly_serve.target import Target
-        tok = models.tokenizer("tiny:0")
-        engine = Engine(Target(models.target_model("tiny:0")), ModelDrafter(models.drafter_model("tiny:1")), tok,
-                        models.stop_ids("tiny:0", tok), max_model_len=1024)
-    else:
-        engine = build_engine()
+    from fly_serve.build import build_engine
+
+    engine = build_engine("tiny:0", "tiny:1", max_model_len=1024) if args.tiny else build_engine()
     out = {}
     for mode in args.modes:
         engine.generate([PROMPTS[0]], {"max_tokens": 8, "mode": mode})  # warm-up
         t = time.perf_counter()
         [req] = engine.generate([PROMPTS[0]], {"max_tokens": args.max_tokens, "mode": mode})
         dt = time.perf_counter() - t
-        out[mode] = {"latency_s": round(dt, 3), "tokens": len(req.generated), "tau": round(req.stats.tau, 2),
-                     "tokens_per_s": round(len(req.generated) / dt, 2)}
+        out[mode] = {
+            "latency_s": round(dt, 3),
+            "tokens": len(req.generated),
+            "tau": round(req.stats.tau, 2),
+            "tokens_per_s": round(len(req.generated) / dt, 2),
+        }
     return out
 
 
 def post(url, prompt, mode, max_tokens):
     import requests
-    r = requests.post(f"{url}/v1/completions", timeout=1800,
-                      json={"prompt": prompt, "max_tokens": max_tokens, "fly": {"mode": mode}})
+
+    r = requests.post(
+        f"{url}/v1/completions", timeout=1800, json={"prompt": prompt, "max_tokens": max_tokens, "fly": {"mode": mode}}
+    )
     r.raise_for_status()
     return r.json()
 
@@ -70,9 +69,13 @@ def wave(url, n, mode, max_tokens) -> dict:
         outs = list(pool.map(lambda p: post(url, p, mode, max_tokens), prompts))
     dt = time.perf_counter() - t
     tokens = sum(o["usage"]["completion_tokens"] for o in outs)
-    return {"wall_s": round(dt, 2), "tokens": tokens, "tokens_per_s": round(tokens / dt, 2),
-            "max_batch": max(o["fly"]["max_batch_size"] for o in outs),
-            "tau": round(sum(o["fly"]["tau"] for o in outs) / n, 2)}
+    return {
+        "wall_s": round(dt, 2),
+        "tokens": tokens,
+        "tokens_per_s": round(tokens / dt, 2),
+        "max_batch": max(o["fly"]["max_batch_size"] for o in outs),
+        "tau": round(sum(o["fly"]["tau"] for o in outs) / n, 2),
+    }
 
 
 def through_serve(args) -> dict:
@@ -89,9 +92,14 @@ def through_serve(args) -> dict:
             t = time.perf_counter()
             o = post(url, PROMPTS[0], mode, args.max_tokens)
             dt = time.perf_counter() - t
-            out[mode] = {"single": {"latency_s": round(dt, 3), "tokens": o["usage"]["completion_tokens"],
-                                    "tau": o["fly"]["tau"]},
-                         "waves": {n: wave(url, n, mode, args.max_tokens) for n in args.users}}
+            out[mode] = {
+                "single": {
+                    "latency_s": round(dt, 3),
+                    "tokens": o["usage"]["completion_tokens"],
+                    "tau": o["fly"]["tau"],
+                },
+                "waves": {n: wave(url, n, mode, args.max_tokens) for n in args.users},
+            }
         return out
     finally:
         server.send_signal(2)  # SIGINT: the launcher shuts Serve and Ray down
@@ -111,8 +119,16 @@ def main():
     result = {"max_tokens": args.max_tokens, "config": args.config}
     if args.phase in ("inprocess", "both"):
         # a child process, so that its threads and memory are gone before Serve starts
-        cmd = [sys.executable, __file__, "--phase", "inprocess", "--max-tokens", str(args.max_tokens),
-               "--modes", *args.modes] + (["--tiny"] if args.tiny else [])
+        cmd = [
+            sys.executable,
+            __file__,
+            "--phase",
+            "inprocess",
+            "--max-tokens",
+            str(args.max_tokens),
+            "--modes",
+            *args.modes,
+        ] + (["--tiny"] if args.tiny else [])
         if args.phase == "both":
             out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
             result["inprocess"] = json.loads(out.strip().splitlines()[-1])["inprocess"]
@@ -121,8 +137,10 @@ def main():
     if args.phase in ("serve", "both"):
         result["serve"] = through_serve(args)
     if "inprocess" in result and "serve" in result:
-        result["overhead_ratio"] = {m: round(result["serve"][m]["single"]["latency_s"] /
-                                             result["inprocess"][m]["latency_s"], 3) for m in args.modes}
+        result["overhead_ratio"] = {
+            m: round(result["serve"][m]["single"]["latency_s"] / result["inprocess"][m]["latency_s"], 3)
+            for m in args.modes
+        }
     print(json.dumps(result))
 
 

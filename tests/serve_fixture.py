@@ -1,4 +1,5 @@
 """One local Ray + Serve per test module, tiny models, traffic to 127.0.0.1 only."""
+
 import os
 import socket
 from pathlib import Path
@@ -21,6 +22,7 @@ def start_serve(app_args: dict, name: str = "fly"):
     from ray import serve
 
     from deployments.app import build
+
     ray.init(num_cpus=4, include_dashboard=False, configure_logging=False, log_to_driver=False)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -31,5 +33,6 @@ def start_serve(app_args: dict, name: str = "fly"):
 def stop_serve():
     import ray
     from ray import serve
+
     serve.shutdown()
     ray.shutdown()

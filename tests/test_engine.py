@@ -1,21 +1,22 @@
 """The engine on tiny random models (fp32): exactness, batching, join/leave, stops, bad input."""
+
 import pytest
 import torch
 
-from fly_serve import pld
-from fly_serve.drafters import ModelDrafter
-from fly_serve.engine import Engine
+from fly_serve import prompt_lookup
+from fly_serve.build import build_engine
+from fly_serve.params import ParamError
 from fly_serve.runner import Runner
-from fly_serve.target import Target
-from tiny import ToyTokenizer, tiny_model
+from fly_serve.tiny import tiny_model, tiny_tokenizer
 
-TARGET, DRAFTER = tiny_model(seed=0), tiny_model(seed=1, layers=1)
-PROMPTS = [torch.randint(0, 290, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (3, 8, 13, 21)]
+TARGET, DRAFTER = tiny_model(seed=0), tiny_model(seed=1, num_hidden_layers=1)
+PROMPTS = [torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (3, 8, 13, 21)]
 
 
 def engine(drafter=DRAFTER, **kw):
-    return Engine(Target(TARGET), ModelDrafter(drafter) if drafter is not None else None, ToyTokenizer(),
-                  max_model_len=256, **kw)
+    eng = build_engine(TARGET, drafter, tokenizer=tiny_tokenizer(), max_model_len=256, **kw)
+    eng.eos_ids = set()  # random models: run every request to max_tokens
+    return eng
 
 
 def generate(prompts=PROMPTS, drafter=DRAFTER, **params):
@@ -35,8 +36,16 @@ def test_runner_matches_transformers_and_rolls_back():
     assert torch.allclose(logits[0], full[10:], atol=1e-5)
 
 
-@pytest.mark.parametrize("params", [dict(mode="spd"), dict(mode="fly", theta=1.0), dict(mode="pld"),
-                                    dict(mode="spd", mla=False), dict(mode="spd", k=3)])
+@pytest.mark.parametrize(
+    "params",
+    [
+        dict(mode="spd"),
+        dict(mode="fly", theta=1.0),
+        dict(mode="pld"),
+        dict(mode="spd", mla=False),
+        dict(mode="spd", k=3),
+    ],
+)
 def test_lossless_modes_equal_ar(params):
     assert generate(**params) == AR
 
@@ -44,7 +53,7 @@ def test_lossless_modes_equal_ar(params):
 def test_drafter_equal_to_target_accepts_everything():
     reqs = engine(drafter=TARGET).generate(PROMPTS, dict(mode="spd", k=4, max_tokens=25))
     for r in reqs:
-        assert r.generated == AR[PROMPTS.index(r.tokens[:r.n_prompt])][:25]
+        assert r.generated == AR[PROMPTS.index(r.tokens[: r.n_prompt])][:25]
         assert r.stats.rounds == 5 and r.stats.recovered == 0  # 5 + 5 + 5 + 5 + 5 tokens
         assert r.stats.accepted == r.stats.drafted == 20 and r.stats.bonus == 5
 
@@ -72,12 +81,12 @@ def test_stop_string_eos_and_length():
     ref = eng.generate([PROMPTS[0]], dict(mode="ar", max_tokens=30))[0]
     stop = ref.text[10:12]
     req = eng.generate([PROMPTS[0]], dict(mode="spd", max_tokens=30, stop=[stop]))[0]
-    assert req.finish_reason == "stop" and req.text == ref.text[:ref.text.index(stop)]
+    assert req.finish_reason == "stop" and req.text == ref.text[: ref.text.index(stop)]
     assert ref.finish_reason == "length" and len(ref.generated) == 30
     eos = ref.generated[5]
     eng.eos_ids = {eos}
     req = eng.generate([PROMPTS[0]], dict(mode="fly", max_tokens=30))[0]
-    assert req.finish_reason == "stop" and req.generated == ref.generated[:ref.generated.index(eos)]
+    assert req.finish_reason == "stop" and req.generated == ref.generated[: ref.generated.index(eos)]
 
 
 def test_streamed_deltas_add_up_to_the_text():
@@ -98,38 +107,107 @@ def test_seeded_sampling_is_reproducible_and_batch_independent():
     assert a != generate(**{**params, "seed": 8})
 
 
-@pytest.mark.parametrize("field,value", [("max_tokens", 0), ("max_tokens", 10_000), ("k", 0), ("window", 10),
-                                         ("theta", 1.5), ("theta", -0.1), ("mode", "nope"), ("entropy", "x"),
-                                         ("top_p", 0.0), ("temperature", -1)])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("max_tokens", 0),
+        ("max_tokens", 10_000),
+        ("k", 0),
+        ("window", 10),
+        ("theta", 1.5),
+        ("theta", -0.1),
+        ("mode", "nope"),
+        ("entropy", "x"),
+        ("top_p", 0.0),
+        ("temperature", -1),
+        ("seed", 10**20),
+        ("seed", 1.5),
+    ],
+)
 def test_bad_input_names_the_field(field, value):
     eng = engine()
     good = eng.add(PROMPTS[0], dict(mode="spd", max_tokens=5))
-    with pytest.raises(ValueError, match=f"^{field}:"):
+    with pytest.raises(ParamError, match=f"^{field}:") as e:
         eng.add(PROMPTS[1], {"k": 10, "max_tokens": 5, field: value})
+    assert e.value.field == field
     while eng.has_work():
         eng.step()
     assert good.generated == AR[0][:5]  # the bad request never reached the batch
 
 
 def test_empty_prompt_and_missing_drafter():
-    with pytest.raises(ValueError, match="^prompt:"):
+    with pytest.raises(ParamError, match="^prompt:"):
         engine().add("", dict(mode="ar"))
-    with pytest.raises(ValueError, match="^mode:"):
+    with pytest.raises(ParamError, match="^mode:"):
         engine(drafter=None).add(PROMPTS[0], dict(mode="fly", max_tokens=5))
     assert engine(drafter=None).generate([PROMPTS[0]], dict(mode="pld", max_tokens=30))[0].generated == AR[0]
 
 
 def test_pld_proposals():
-    assert pld.propose([1, 2, 3, 9, 1, 2, 3], k=3) == [9, 1, 2]  # the 3-gram 1 2 3 matched
-    assert pld.propose([5, 6, 7, 5, 6], k=4) == [7, 5, 6]  # fewer near the end
-    assert pld.propose([1, 2, 3, 4], k=3) == []  # no match; the suffix never matches itself
-    assert pld.propose([4, 1, 8, 4, 2, 8, 4], k=2) == [2, 8]  # the latest occurrence wins
-    assert pld.propose([1, 2, 1, 3, 1, 2], k=2, max_n=2, min_n=2) == [1, 3]
-    assert pld.propose([7, 7], k=5) == [7]
+    assert prompt_lookup.propose([1, 2, 3, 9, 1, 2, 3], k=3) == [9, 1, 2]  # the 3-gram 1 2 3 matched
+    assert prompt_lookup.propose([5, 6, 7, 5, 6], k=4) == [7, 5, 6]  # fewer near the end
+    assert prompt_lookup.propose([1, 2, 3, 4], k=3) == []  # no match; the suffix never matches itself
+    assert prompt_lookup.propose([4, 1, 8, 4, 2, 8, 4], k=2) == [2, 8]  # the latest occurrence wins
+    assert prompt_lookup.propose([1, 2, 1, 3, 1, 2], k=2, max_n=2, min_n=2) == [1, 3]
+    assert prompt_lookup.propose([7, 7], k=5) == [7]
 
 
 def test_unsure_drafter_stops_early_and_stays_exact():
-    eng = Engine(Target(TARGET), ModelDrafter(DRAFTER, min_confidence=1.0), ToyTokenizer(), max_model_len=256)
+    eng = engine(draft_min_confidence=1.0)
     reqs = eng.generate(PROMPTS, dict(mode="spd", k=5, mla=False, max_tokens=30))
     assert [r.generated for r in reqs] == AR
     assert all(0 < r.stats.drafted <= r.stats.rounds for r in reqs)  # at most one draft a round, not k
+
+
+@pytest.mark.parametrize("prompt", [[5, 300], [-1, 4], [1, True], "a \ud800 b"])
+def test_prompts_that_would_break_a_round_are_refused(prompt):
+    eng = engine()
+    good = eng.add(PROMPTS[0], dict(mode="fly", max_tokens=5))
+    with pytest.raises(ParamError, match="^prompt:"):
+        eng.add(prompt, dict(mode="fly", max_tokens=5))
+    while eng.has_work():
+        eng.step()
+    assert good.generated == AR[0][:5]
+
+
+def test_huge_seed_samples_and_window_defaults_below_k():
+    eng = engine()
+    req = eng.generate([PROMPTS[1]], dict(mode="fly", k=3, temperature=0.8, seed=2**62, max_tokens=8))[0]
+    assert len(req.generated) == 8 and req.params.effective_window == 2
+
+
+def test_fail_running_ends_the_batch_with_the_error():
+    eng = engine()
+    reqs = [eng.add(p, dict(mode="fly", max_tokens=20)) for p in PROMPTS[:2]]
+    eng.step()
+    failed = eng.fail_running("target died")
+    assert failed == reqs and not eng.running
+    assert all(r.finish_reason == "error" and r.error == "target died" for r in reqs)
+    assert eng.generate([PROMPTS[0]], dict(mode="ar", max_tokens=30))[0].generated == AR[0]
+
+
+def test_round_result_adds_up():
+    eng = engine()
+    reqs = [eng.add(p, dict(mode=m, max_tokens=30)) for p, m in zip(PROMPTS, ["fly", "ar", "spd", "pld"])]
+    result = eng.step()
+    assert result.advanced == reqs and result.batch_size == 4
+    assert result.emitted == sum(r.stats.emitted for r in reqs)
+    assert result.drafted == sum(r.stats.drafted for r in reqs)
+    assert result.accepted + result.loosely_accepted == sum(r.stats.accepted + r.stats.loosely_accepted for r in reqs)
+    assert result.drafting_rows == sum(1 for r in reqs if r.stats.drafted)
+
+
+def test_different_logit_widths_sample_and_stay_exact():
+    """A drafter with fewer logits than the target (as Qwen2.5 0.5B for 7B): both are cut to the
+    tokenizer's tokens; greedy spd still equals ar and sampling runs."""
+    narrow = tiny_model(seed=1, num_hidden_layers=1, vocab_size=259)
+    wide = tiny_model(seed=0, vocab_size=272)
+    eng = build_engine(wide, narrow, tokenizer=tiny_tokenizer(), max_model_len=256)
+    eng.eos_ids = set()
+    ar = eng.generate(PROMPTS, dict(mode="ar", max_tokens=12))
+    spd = eng.generate(PROMPTS, dict(mode="spd", max_tokens=12))
+    assert [r.generated for r in spd] == [r.generated for r in ar]
+    sampled = eng.generate(PROMPTS, dict(mode="fly", temperature=1.0, top_p=0.9, seed=3, max_tokens=12))
+    assert all(len(r.generated) == 12 for r in sampled)
+    with pytest.raises(ValueError, match="^drafter:"):
+        build_engine(wide, tiny_model(seed=1, vocab_size=200), tokenizer=tiny_tokenizer())

@@ -2,37 +2,36 @@
 
 Exactness checks run in fp32: bf16 kernels give a multi-token forward slightly different logits
 than a one-token forward, so greedy bf16 runs of spd and ar may drift apart (README)."""
-import pytest
-import torch
 
-from fly_serve.cli import chat_prompt
-from fly_serve.drafters import ModelDrafter
-from fly_serve.engine import Engine
-from fly_serve.pair import eos_ids, load_drafter
-from fly_serve.target import Target
-from fly_serve.weights import DEFAULT_DRAFTER, DEFAULT_TARGET, check_same_tokenizer, load_model, load_tokenizer, \
-    tiny_tokenizer
+import pytest
+
+from fly_serve.build import build_engine
+from fly_serve.loading import load_model, load_tokenizer
+from fly_serve.prompts import chat_prompt
+from fly_serve.weights import DEFAULT_DRAFTER, DEFAULT_TARGET, check_same_tokenizer
 
 pytestmark = pytest.mark.real
 
-QUESTIONS = ["Reverse a string in Python.",
-             "Write a function that returns the n-th Fibonacci number, iteratively.",
-             "What does `git rebase -i` do? Answer in one short sentence, please.",
-             "Write a SQL query that counts orders per customer from a table orders(customer_id, id), "
-             "sorted by the count, highest first."]
+QUESTIONS = [
+    "Reverse a string in Python.",
+    "Write a function that returns the n-th Fibonacci number, iteratively.",
+    "What does `git rebase -i` do? Answer in one short sentence, please.",
+    "Write a SQL query that counts orders per customer from a table orders(customer_id, id), "
+    "sorted by the count, highest first.",
+]
 
 
 @pytest.fixture(scope="module")
 def pair():
     tok = load_tokenizer(DEFAULT_TARGET)
-    target = load_model(DEFAULT_TARGET, dtype=torch.float32)
-    drafter = load_drafter(DEFAULT_DRAFTER, "fp32")
+    target = load_model(DEFAULT_TARGET, "fp32")
+    drafter = load_model(DEFAULT_DRAFTER, "fp32")
     return tok, target, drafter, [chat_prompt(tok, q) for q in QUESTIONS]
 
 
 def engine(pair, drafter=True):
     tok, target, draft, _ = pair
-    return Engine(Target(target), ModelDrafter(draft) if drafter else None, tok, eos_ids(target, tok))
+    return build_engine(target, draft if drafter else None, tokenizer=tok)
 
 
 @pytest.fixture(scope="module")
@@ -61,4 +60,4 @@ def test_fly_batched_equals_alone(pair):
 def test_tokenizers_of_the_pair_agree_and_others_are_refused(pair):
     check_same_tokenizer(pair[0], load_tokenizer(DEFAULT_DRAFTER))
     with pytest.raises(ValueError, match="^drafter:"):
-        check_same_tokenizer(pair[0], tiny_tokenizer())
+        check_same_tokenizer(pair[0], load_tokenizer("tiny:0"))

@@ -1,5 +1,6 @@
 """The app through Ray Serve (tiny models, target TP=2 over gloo, PLD as a deployment) against
 the in-process engine: same outputs, batching, streaming, the OpenAI client, errors."""
+
 import json
 from concurrent.futures import ThreadPoolExecutor
 
@@ -7,13 +8,14 @@ import openai
 import pytest
 import requests
 import torch
-
-from deployments import models
-from fly_serve.drafters import ModelDrafter
-from fly_serve.engine import Engine
-from fly_serve.rows import Row
-from fly_serve.target import Target
 from serve_fixture import start_serve, stop_serve
+
+from fly_serve.build import build_engine
+from fly_serve.contracts import Drafts, Row
+from fly_serve.loading import load_model, load_tokenizer
+from fly_serve.model_scorer import ModelScorer
+
+pytestmark = pytest.mark.serve
 
 APP = {"tiny": True, "tp_size": 2, "pld": "deployment", "max_batch": 8, "defaults": {"max_tokens": 24}}
 PROMPTS = ["def add(a, b):\n    return", "The quick brown fox", "1, 2, 3, 4, 5,", "hello hello hello"]
@@ -30,14 +32,12 @@ def url():
 @pytest.fixture(scope="module")
 def reference():
     """The in-process engine with the same tiny pair at TP=1; text for (prompt, params)."""
-    tok = models.tokenizer("tiny:0")
-    target = models.target_model("tiny:0")
-    engine = Engine(Target(target), ModelDrafter(models.drafter_model("tiny:1")), tok,
-                    models.stop_ids("tiny:0", tok), max_model_len=1024)
+    engine = build_engine("tiny:0", "tiny:1", max_model_len=1024)
 
     def run(prompt, **params):
         req = engine.generate([prompt], [{"max_tokens": 24, **params}])[0]
         return req.text, req.finish_reason
+
     return run
 
 
@@ -71,7 +71,7 @@ def test_concurrent_requests_are_batched_and_each_correct(url, reference):
 
 
 def sse_events(response):
-    events = [line[len("data: "):] for line in response.iter_lines(decode_unicode=True) if line]
+    events = [line[len("data: ") :] for line in response.iter_lines(decode_unicode=True) if line]
     assert events[-1] == "[DONE]"
     return [json.loads(e) for e in events[:-1]]
 
@@ -92,19 +92,21 @@ def test_stream_concatenates_to_the_full_text(url, mode):
 def test_openai_client(url, reference):
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
     [model] = [m.id for m in client.models.list()]
-    out = client.completions.create(model=model, prompt=PROMPTS[1], max_tokens=24,
-                                    extra_body={"fly": {"mode": "fly", "k": 8, "window": 3}})
+    out = client.completions.create(
+        model=model, prompt=PROMPTS[1], max_tokens=24, extra_body={"fly": {"mode": "fly", "k": 8, "window": 3}}
+    )
     assert out.choices[0].text == reference(PROMPTS[1], max_tokens=24, mode="fly", k=8, window=3)[0]
     assert out.model_extra["fly"]["tau"] > 1
 
     messages = [{"role": "user", "content": "Write a haiku"}]
     chat = client.chat.completions.create(model=model, messages=messages, max_tokens=16)
-    prompt = models.tokenizer("tiny:0").apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    prompt = load_tokenizer("tiny:0").apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert chat.choices[0].message.content == reference(prompt, max_tokens=16)[0]
     assert chat.usage.completion_tokens > 0
 
-    stream = client.chat.completions.create(model=model, messages=messages, max_tokens=16, stream=True,
-                                            stream_options={"include_usage": True})
+    stream = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=16, stream=True, stream_options={"include_usage": True}
+    )
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == chat.choices[0].message.content
@@ -149,8 +151,9 @@ def test_bad_requests_other_shapes(url):
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages.0.content"
     r = requests.post(f"{url}/v1/completions", json={"prompt": "x", "model": "gpt-9"}, timeout=60)
     assert r.status_code == 404 and r.json()["error"]["param"] == "model"
-    r = requests.post(f"{url}/v1/completions", data="{not json", timeout=60,
-                      headers={"content-type": "application/json"})
+    r = requests.post(
+        f"{url}/v1/completions", data="{not json", timeout=60, headers={"content-type": "application/json"}
+    )
     assert r.status_code == 400 and "error" in r.json()
 
 
@@ -165,14 +168,18 @@ def test_health_models_and_drafter_affinity(url):
 
 def test_tp2_target_deployment_equals_tp1(url):
     from ray import serve
+
     handle = serve.get_deployment_handle("FlyTarget", app_name="fly")
     assert handle.tp_size.remote().result() == 2
-    rows = [Row("tp-a", [5, 17, 42, 99, 7, 3, 250, 11], k=3), Row("tp-b", [1, 2, 3], k=2)]
-    drafts, qs, kinds = [[4, 5, 6], [7, 8]], [None, None], ["topk", "full"]
-    ok, y, h = handle.score.remote(rows, drafts, qs, kinds).result()
-    ref_ok, ref_y, ref_h = Target(models.target_model("tiny:0")).score(rows, drafts, qs, kinds)
-    assert torch.equal(ok, ref_ok) and torch.equal(y, ref_y)
-    assert torch.allclose(h, ref_h, atol=1e-5)
+    rows = [
+        Row("tp-a", [5, 17, 42, 99, 7, 3, 250, 11], k=3, entropy="topk"),
+        Row("tp-b", [1, 2, 3], k=2, entropy="full"),
+    ]
+    drafts = Drafts([[4, 5, 6], [7, 8]], [None, None])
+    got = handle.verify.remote(rows, drafts).result()
+    ref = ModelScorer(load_model("tiny:0"), vocab_size=len(load_tokenizer("tiny:0"))).verify(rows, drafts)
+    assert torch.equal(got.ok, ref.ok) and torch.equal(got.y, ref.y)
+    assert torch.allclose(got.h, ref.h, atol=1e-5)
     handle.release.remote(["tp-a", "tp-b"]).result()
 
 
@@ -182,10 +189,15 @@ def test_prometheus_metrics_are_exported(url):
     import time
 
     import ray
+
     complete(url, prompt=PROMPTS[2], max_tokens=20, fly={"mode": "fly", "k": 4, "window": 1})
     port = ray.nodes()[0]["MetricsExportPort"]
-    wanted = {"ray_fly_spec_decode_num_draft_tokens_total", "ray_fly_spec_decode_num_accepted_tokens_total",
-              "ray_fly_round_phase_seconds_count", "ray_fly_batch_size_count"}
+    wanted = {
+        "ray_fly_spec_decode_num_draft_tokens_total",
+        "ray_fly_spec_decode_num_accepted_tokens_total",
+        "ray_fly_round_phase_seconds_count",
+        "ray_fly_batch_size_count",
+    }
     found: set = set()
     for _ in range(30):  # the agent exports every few seconds
         text = requests.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text

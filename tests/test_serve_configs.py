@@ -1,5 +1,6 @@
 """Every Serve config in deployments/ loads and builds its application (no deploy, no weights),
 and cluster.yaml is valid against Ray's own cluster-launcher schema."""
+
 import json
 from pathlib import Path
 
@@ -7,12 +8,13 @@ import jsonschema
 import pytest
 import ray
 import yaml
+from ray._common.utils import import_attr
 from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
 from ray.serve._private.build_app import build_app
 from ray.serve.schema import ServeDeploySchema
-from ray._common.utils import import_attr
 
 ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.serve
 CONFIGS = sorted((ROOT / "deployments").glob("*.yaml"))
 
 

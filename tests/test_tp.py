@@ -1,12 +1,13 @@
 """TP = 2 over gloo on the CPU gives the logits of TP = 1 (fp32 tolerance)."""
+
 import socket
 
 import torch
 import torch.multiprocessing as mp
 
 from fly_serve.runner import Runner
+from fly_serve.tiny import tiny_model
 from fly_serve.tp import init_group, shard
-from tiny import tiny_model
 
 TOKENS = [[5, 17, 42, 99, 7, 3, 250, 11], [1, 2, 3]]
 

@@ -1,17 +1,21 @@
-"""Stand-ins for a Target / drafter inside the ingress's Engine: same methods, but each call goes
-to a deployment through its handle. Called from the engine thread (not an event loop), so the
-blocking `.result()` is fine there."""
+"""The engine's parts as calls to deployments: RemoteScorer satisfies contracts.Scorer,
+RemoteDrafter and RemoteLookup contracts.Drafter, so the ingress's Engine runs its rounds
+unchanged while drafting and verification run in their own replicas. Called from the engine
+thread (not an event loop), so the blocking `.result()` is fine there."""
+
 import zlib
 
+from fly_serve.contracts import Drafts, Row, Verdict
 
-class TargetProxy:
-    def __init__(self, handle):
-        self.handle = handle
 
-    def score(self, rows, drafts, qs, entropy_kinds):
-        return self.handle.score.remote(rows, drafts, qs, entropy_kinds).result()
+class RemoteScorer:
+    def __init__(self, handle, vocab_size: int):
+        self.handle, self.vocab_size = handle, vocab_size
 
-    def release(self, keys):
+    def verify(self, rows: list[Row], drafts: Drafts) -> Verdict:
+        return self.handle.verify.remote(rows, drafts).result()
+
+    def release(self, keys: list[str]) -> None:
         self.handle.release.remote(keys).result()
 
 
@@ -20,7 +24,7 @@ def group_of(key: str, n_groups: int) -> int:
     return zlib.crc32(key.encode()) % n_groups
 
 
-class DrafterProxy:
+class RemoteDrafter:
     """Splits a round's rows into affinity groups; each group is one call tagged with
     multiplexed_model_id "g<n>", so Serve sends it to the replica that served the group before
     (and holds those rows' KV caches). The group calls run concurrently."""
@@ -28,7 +32,7 @@ class DrafterProxy:
     def __init__(self, handle, n_groups: int = 1):
         self.handle, self.n_groups = handle, n_groups
 
-    def _split(self, keys):
+    def _split(self, keys: list[str]) -> dict[int, list[int]]:
         groups: dict[int, list[int]] = {}
         for i, key in enumerate(keys):
             groups.setdefault(group_of(key, self.n_groups), []).append(i)
@@ -37,31 +41,31 @@ class DrafterProxy:
     def _for(self, group: int):
         return self.handle.options(multiplexed_model_id=f"g{group}")
 
-    def propose(self, rows):
+    def propose(self, rows: list[Row]) -> Drafts:
         groups = self._split([r.key for r in rows])
         calls = {g: self._for(g).propose.remote([rows[i] for i in idx]) for g, idx in groups.items()}
-        drafts, qs = [None] * len(rows), [None] * len(rows)
+        out = Drafts.empty(len(rows))
         for g, idx in groups.items():
-            d, q = calls[g].result()
-            for i, di, qi in zip(idx, d, q):
-                drafts[i], qs[i] = di, qi
-        return drafts, qs
+            got = calls[g].result()
+            for j, i in enumerate(idx):
+                out.tokens[i], out.q[i] = got.tokens[j], got.q[j]
+        return out
 
-    def release(self, keys):
+    def release(self, keys: list[str]) -> None:
         groups = self._split(keys)
         calls = [self._for(g).release.remote([keys[i] for i in idx]) for g, idx in groups.items()]
         for call in calls:
             call.result()
 
 
-class PLDProxy:
-    """Prompt lookup through the PLD deployment (app built with pld="deployment")."""
+class RemoteLookup:
+    """Prompt lookup through the lookup deployment (app built with pld="deployment")."""
 
     def __init__(self, handle):
         self.handle = handle
 
-    def propose(self, rows):
+    def propose(self, rows: list[Row]) -> Drafts:
         return self.handle.propose.remote(rows).result()
 
-    def release(self, keys):
-        pass  # PLD keeps no per-sequence state
+    def release(self, keys: list[str]) -> None:
+        pass  # prompt lookup keeps no per-sequence state

@@ -1,9 +1,10 @@
-"""Per-request counters, in the vocabulary of verify.py, and the paper's Table 1 time split."""
+"""One request's counters, in the vocabulary of verify.py, and the paper's Table 1 time split."""
+
 from dataclasses import asdict, dataclass
 
 
 @dataclass
-class Stats:
+class RequestStats:
     rounds: int = 0
     emitted: int = 0  # tokens that reached the output (after max_tokens / EOS cuts)
     drafted: int = 0
@@ -14,6 +15,20 @@ class Stats:
     draft_s: float = 0.0  # time of the rounds this request took part in, by phase
     verify_s: float = 0.0
     decide_s: float = 0.0
+
+    def add_round(self, drafted: int, accepted: int, loosely: int, round_) -> None:
+        """Count one round: `accepted` exact and `loosely` kept of `drafted` drafts; round_ gives
+        the round's phase times (contracts.RoundResult)."""
+        self.rounds += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        self.loosely_accepted += loosely
+        kept = accepted + loosely
+        self.recovered += kept < drafted
+        self.bonus += kept == drafted > 0
+        self.draft_s += round_.draft_s
+        self.verify_s += round_.verify_s
+        self.decide_s += round_.decide_s
 
     @property
     def tau(self) -> float:

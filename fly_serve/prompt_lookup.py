@@ -1,5 +1,6 @@
 """Prompt lookup: propose the tokens that followed the latest earlier occurrence of the
 sequence's last n tokens (n from max_n down to min_n). No model, a few microseconds."""
+
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
@@ -15,9 +16,5 @@ def propose(tokens, k: int, max_n: int = 4, min_n: int = 1) -> list[int]:
         hits = np.flatnonzero((windows == seq[-n:]).all(axis=1))
         if hits.size:
             start = int(hits[-1]) + n  # the latest occurrence: recent text repeats most
-            return seq[start:start + k].tolist()
+            return seq[start : start + k].tolist()
     return []
-
-
-def propose_batch(token_lists, ks, max_n: int = 4, min_n: int = 1) -> list[list[int]]:
-    return [propose(t, k, max_n, min_n) for t, k in zip(token_lists, ks)]

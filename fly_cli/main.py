@@ -1,0 +1,117 @@
+"""`fly-serve generate "prompt"`: FLy on the embedded default pair (or any other pair);
+`fly-serve serve`: the Ray Serve application on 127.0.0.1:8000."""
+
+import argparse
+import json
+import sys
+import time
+import typing
+from dataclasses import MISSING
+
+from fly_serve.loading import DTYPES, PRECISIONS
+from fly_serve.params import ParamError, Params, knobs
+from fly_serve.weights import DEFAULT_DRAFTER, DEFAULT_TARGET
+
+
+def _base_type(annotation):
+    """int for `int | None`, str for `list[str]`: the type one flag value parses to."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if typing.get_origin(annotation) is list:
+        return args[0]
+    return args[0] if args else annotation
+
+
+def add_knobs(p: argparse.ArgumentParser) -> None:
+    """One flag per Params field (params.py is the one list of knobs)."""
+    for f in knobs():
+        flag, meta = "--" + f.name.replace("_", "-"), f.metadata
+        default = f.default if f.default is not MISSING else f.default_factory()
+        if f.type is bool:
+            p.add_argument(f"--no-{f.name}", dest=f.name, action="store_false", help=f"off: {meta['help']}")
+        elif isinstance(default, list):
+            p.add_argument(flag, dest=f.name, action="append", default=[], help=f"{meta['help']} (repeatable)")
+        else:
+            p.add_argument(
+                flag, dest=f.name, type=_base_type(f.type), default=default, choices=meta["choices"], help=meta["help"]
+            )
+
+
+def params_from(args) -> Params:
+    return Params(**{f.name: getattr(args, f.name) for f in knobs()})
+
+
+def add_pair(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default=DEFAULT_TARGET, help="model name, local directory or hub id")
+    p.add_argument("--drafter", default=DEFAULT_DRAFTER, help="model name, local directory or hub id")
+    p.add_argument("--dtype", choices=list(DTYPES), default="bf16", help="target precision")
+    p.add_argument("--drafter-precision", choices=PRECISIONS, default="int8")
+    p.add_argument(
+        "--draft-min-confidence",
+        type=float,
+        default=0.0,
+        help="stop drafting a row once the drafter's probability of its token is below this",
+    )
+
+
+def generate(args) -> None:
+    from fly_serve.build import build_engine
+    from fly_serve.prompts import chat_prompt
+
+    def progress(msg):
+        print(f"[fly-serve] {msg}", file=sys.stderr, flush=True)
+
+    t0 = time.perf_counter()
+    params = params_from(args)
+    engine = build_engine(
+        args.target,
+        args.drafter if params.mode_spec.drafter == "model" else None,
+        dtype=args.dtype,
+        drafter_precision=args.drafter_precision,
+        max_batch=1,
+        draft_min_confidence=args.draft_min_confidence,
+        progress=progress,
+    )
+    progress(f"models ready in {time.perf_counter() - t0:.1f} s; generating")
+    try:
+        prompt = args.prompt if args.raw else chat_prompt(engine.tokenizer, args.prompt)
+        req = engine.add(prompt, params)
+    except ParamError as e:
+        sys.exit(f"error: {e}")
+    t0 = time.perf_counter()
+    while not req.finished:
+        engine.step()
+        print(req.delta(), end="", flush=True)
+    print(req.delta())
+    wall = time.perf_counter() - t0
+    stats = dict(
+        req.stats.as_dict(),
+        mode=params.mode,
+        finish_reason=req.finish_reason,
+        wall_s=round(wall, 3),
+        tokens_per_s=round(req.stats.emitted / wall, 2),
+    )
+    print(json.dumps(stats), file=sys.stderr)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="fly-serve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate with the in-process engine")
+    g.add_argument("prompt")
+    g.add_argument("--raw", action="store_true", help="plain completion, no chat template")
+    add_knobs(g)
+    add_pair(g)
+    sub.add_parser("serve", help="start the Ray Serve application (flags: fly-serve serve --help)", add_help=False)
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "generate":
+        if rest:
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        generate(args)
+    else:
+        from deployments.launch import main as serve
+
+        sys.exit(serve(rest))
+
+
+if __name__ == "__main__":
+    main()

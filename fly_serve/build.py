@@ -1,0 +1,57 @@
+"""The one engine factory: a target and a drafter, by name or already loaded, in; an Engine out."""
+
+from .drafters import ModelDrafter
+from .engine import Engine
+from .loading import eos_ids, load_model, load_tokenizer
+from .model_scorer import ModelScorer
+from .params import Params
+from .weights import DEFAULT_DRAFTER, DEFAULT_TARGET, check_same_tokenizer
+
+
+def check_widths(target_model, drafter_model, tokenizer) -> None:
+    """Pairs may differ in logit width (Qwen2.5 0.5B: 151,936; 7B and larger: 152,064) as long as
+    both cover every token the tokenizer can produce; both are cut to the tokenizer's tokens."""
+    n = len(tokenizer)
+    for role, model in (("target", target_model), ("drafter", drafter_model)):
+        if model.config.vocab_size < n:
+            raise ValueError(f"{role}: {model.config.vocab_size} logits cannot cover the tokenizer's {n} tokens")
+
+
+def build_engine(
+    target=DEFAULT_TARGET,
+    drafter=DEFAULT_DRAFTER,
+    *,
+    tokenizer=None,
+    dtype: str = "bf16",
+    drafter_precision: str = "int8",
+    max_batch: int = 8,
+    max_model_len: int = 4096,
+    defaults: Params | None = None,
+    draft_min_confidence: float = 0.0,
+    progress=print,
+) -> Engine:
+    """target / drafter: a model name (loading.py) or a loaded model; drafter None: no draft
+    model (modes ar and pld). With a loaded target, pass its tokenizer."""
+    if tokenizer is None:
+        if not isinstance(target, str):
+            raise ValueError("tokenizer: required when the target is an already-loaded model")
+        tokenizer = load_tokenizer(target, progress)
+    target_model = load_model(target, dtype, progress=progress) if isinstance(target, str) else target
+    draft = None
+    if drafter is not None:
+        if isinstance(drafter, str):
+            check_same_tokenizer(tokenizer, load_tokenizer(drafter, progress))
+            drafter = load_model(drafter, drafter_precision, progress=progress)
+        check_widths(target_model, drafter, tokenizer)
+        draft = ModelDrafter(drafter, n_slots=max_batch, min_confidence=draft_min_confidence, vocab_size=len(tokenizer))
+    max_model_len = min(max_model_len, target_model.config.max_position_embeddings)
+    scorer = ModelScorer(target_model, n_slots=max_batch, vocab_size=len(tokenizer))
+    return Engine(
+        scorer,
+        draft,
+        tokenizer,
+        eos_ids(target_model, tokenizer),
+        max_batch=max_batch,
+        max_model_len=max_model_len,
+        defaults=defaults,
+    )

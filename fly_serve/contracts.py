@@ -1,0 +1,92 @@
+"""The contracts between the engine and its parts: what a round sends to a drafter and to the
+scorer (the target), what comes back, and what a round reports.
+
+Rows carry the whole token list, so a drafter or target replica that has never seen the
+sequence (or saw an older state) rebuilds what it needs (kv_cache.KVCache.plan). A new drafter
+(a remote one, a datastore, an EAGLE head) is one class that satisfies `Drafter`.
+"""
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class Row:
+    key: str  # the request's id: names its KV-cache slot and its random generator
+    tokens: list[int]  # prompt + generated so far
+    k: int = 0  # drafts wanted this round (0: plain decoding)
+    mla: bool = True  # model drafter: prompt lookup proposals verified by the drafter
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    entropy: str | None = None  # the gate's entropy for this row; None: the row decides strictly
+
+    @property
+    def sampled(self) -> bool:
+        return self.temperature > 0
+
+
+@dataclass
+class Drafts:
+    """Per row: the drafted tokens and, for sampling rows, the distribution q [n, V] each was
+    drawn from (None: a deterministic proposal, a one-hot q)."""
+
+    tokens: list[list[int]]
+    q: list[torch.Tensor | None]
+
+    @classmethod
+    def empty(cls, n_rows: int) -> "Drafts":
+        return cls([[] for _ in range(n_rows)], [None] * n_rows)
+
+
+@dataclass
+class Verdict:
+    """The target's judgement of a round's drafts, [B, K] tensors on the CPU (see verify.py).
+
+    ok: draft i passed (greedy: equals the target's token; sampling: passed the p/q test).
+    y [B, K+1]: the target's token at each position (recovered at a rejection, bonus at K).
+    h: the gate's entropy at each position (None when no row defers).
+    support: the target's processed distribution gives the draft token p > 0 (a token outside
+    the nucleus is never loosely accepted)."""
+
+    ok: torch.Tensor
+    y: torch.Tensor
+    h: torch.Tensor | None
+    support: torch.Tensor
+
+
+class Drafter(Protocol):
+    def propose(self, rows: list[Row]) -> Drafts: ...
+
+    def release(self, keys: list[str]) -> None: ...
+
+
+class Scorer(Protocol):
+    """The target side of a round: one forward over [last token, d_1..d_K] for every row."""
+
+    vocab_size: int
+
+    def verify(self, rows: list[Row], drafts: Drafts) -> Verdict: ...
+
+    def release(self, keys: list[str]) -> None: ...
+
+
+@dataclass
+class RoundResult:
+    """What one round did, for the request stats, the serving loop and the metrics."""
+
+    advanced: list = field(default_factory=list)  # the engine Requests of this round
+    drafting_rows: int = 0  # rows that had drafts
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    decide_s: float = 0.0
+    drafted: int = 0
+    accepted: int = 0
+    loosely_accepted: int = 0
+    emitted: int = 0
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.advanced)

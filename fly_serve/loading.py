@@ -1,0 +1,103 @@
+"""The one way to load a model: a name in, a ready model (or tokenizer, config, EOS ids) out.
+
+A name is "tiny:N" (a tiny random model, tiny.py), an embedded default model, a local
+directory or a hub id (weights.resolve). Precision: "bf16", "fp32", or "int8" (torch dynamic
+quantization with per-channel weights, CPU only: a drafter's precision). A tensor-parallel rank
+gets its shard, cut before the model moves to the device.
+"""
+
+import re
+import warnings
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+from . import tp
+from .tiny import tiny_model, tiny_tokenizer
+from .weights import resolve
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+PRECISIONS = ("bf16", "fp32", "int8")
+_TINY = re.compile(r"tiny:(\d+)$")
+
+
+def tiny_seed(name: str) -> int | None:
+    """The seed of a "tiny:N" name, else None."""
+    m = _TINY.match(name)
+    return int(m.group(1)) if m else None
+
+
+def on_device(model):
+    """The model on this process's GPU where there is one (Ray sets CUDA_VISIBLE_DEVICES per
+    actor, so "cuda" is the actor's own GPU), else where it is."""
+    return model.to("cuda") if torch.cuda.is_available() else model
+
+
+def set_threads(n: int | None) -> None:
+    """Torch threads of this process (Ray sets OMP_NUM_THREADS=1 in fractional-CPU actors)."""
+    if n:
+        torch.set_num_threads(n)
+
+
+def quantize_int8(model):
+    """Dynamic int8 (per-channel weights) on every Linear layer, for a drafter on the CPU. The
+    drafter only proposes, so the output stays the target's."""
+    from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
+
+    warnings.filterwarnings("ignore", message=".*quantize.*deprecated", category=UserWarning)
+    return quantize_dynamic(model.float(), {torch.nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8)
+
+
+def load_model(name: str, precision: str = "bf16", rank: int = 0, world: int = 1, progress=print):
+    """The model `name` at `precision` (tiny models are always fp32), this rank's shard of
+    `world`, on this process's device, in eval mode."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision: must be one of {', '.join(PRECISIONS)} (got {precision!r})")
+    if precision == "int8" and (world > 1 or torch.cuda.is_available()):
+        raise ValueError("precision: int8 (torch dynamic quantization) runs on one CPU process only; use bf16 on GPUs")
+    seed = tiny_seed(name)
+    if seed is not None:
+        model = tiny_model(seed)
+    else:
+        dtype = torch.float32 if precision == "int8" else DTYPES[precision]
+        model = AutoModelForCausalLM.from_pretrained(resolve(name, progress), dtype=dtype)
+        model = model.eval().requires_grad_(False)
+    if precision == "int8" and seed is None:
+        return quantize_int8(model)
+    if world > 1:
+        tp.shard(model, rank, world)
+    return on_device(model)
+
+
+def load_tokenizer(name: str, progress=print):
+    if tiny_seed(name) is not None:
+        return tiny_tokenizer()
+    return AutoTokenizer.from_pretrained(resolve(name, progress))
+
+
+def load_config(name: str, progress=print):
+    """The model's config without its weights (context length, vocabulary width)."""
+    seed = tiny_seed(name)
+    if seed is not None:
+        return tiny_model(seed).config
+    return AutoConfig.from_pretrained(resolve(name, progress))
+
+
+def eos_ids(name_or_model, tokenizer) -> set[int]:
+    """EOS ids of a model: its generation config's plus the tokenizer's."""
+    if isinstance(name_or_model, str):
+        seed = tiny_seed(name_or_model)
+        if seed is not None:
+            gen = tiny_model(seed).generation_config
+        else:
+            try:
+                gen = GenerationConfig.from_pretrained(resolve(name_or_model))
+            except OSError:
+                gen = None
+    else:
+        gen = name_or_model.generation_config
+    ids = gen.eos_token_id if gen is not None else None
+    ids = set(ids if isinstance(ids, list) else [ids] if ids is not None else [])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids

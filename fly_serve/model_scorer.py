@@ -1,0 +1,45 @@
+"""The target model as the round's scorer: one forward over [last token, d_1..d_K] for every
+row, then the check next to the logits, so that only small [B, K] tensors leave (verify.py)."""
+
+import torch
+
+from .contracts import Drafts, Row, Verdict
+from .runner import Runner
+from .sampling import Generators, probs, speculative_row
+from .verify import entropy, greedy_check, padded
+
+
+class ModelScorer:
+    def __init__(self, model, n_slots: int = 8, tp_group=None, vocab_size: int | None = None):
+        self.runner = Runner(model, n_slots=n_slots, tp_group=tp_group)
+        # The tokens the tokenizer knows: logits past them (padding rows of a wider head) are
+        # cut, so target and drafter distributions always have the same width.
+        self.vocab_size = vocab_size or model.config.vocab_size
+        self.generators = Generators(salt=2)
+
+    def verify(self, rows: list[Row], drafts: Drafts) -> Verdict:
+        keys = [r.key for r in rows]
+        self.runner.catch_up(keys, [r.tokens for r in rows])
+        seqs = [r.tokens + d for r, d in zip(rows, drafts.tokens)]
+        logits, _ = self.runner.feed(keys, seqs, tail=[1 + len(d) for d in drafts.tokens])
+        logits = logits[..., : self.vocab_size]
+        drafted, n = padded(drafts.tokens)
+        ok, y = greedy_check(logits, drafted, n)
+        support = torch.ones_like(ok)
+        h = torch.zeros(drafted.shape) if any(r.entropy for r in rows) else None
+        greedy_loose = [b for b, r in enumerate(rows) if r.entropy and not r.sampled]
+        for kind in {rows[b].entropy for b in greedy_loose}:
+            idx = [b for b in greedy_loose if rows[b].entropy == kind]
+            h[idx] = entropy(torch.softmax(logits[idx, :-1].float(), -1), kind).cpu()
+        for b, r in enumerate(rows):
+            if r.sampled:  # the generators live on the CPU, so the row's distribution does too
+                p = probs(logits[b, : int(n[b]) + 1].cpu(), r.temperature, r.top_p)
+                ok[b], y[b] = speculative_row(p, drafted[b], int(n[b]), drafts.q[b], self.generators.get(r))
+                support[b, : int(n[b])] = p[torch.arange(int(n[b])), drafted[b, : int(n[b])]] > 0
+                if r.entropy:
+                    h[b, : int(n[b])] = entropy(p[:-1], r.entropy)
+        return Verdict(ok, y, h, support)
+
+    def release(self, keys: list[str]) -> None:
+        self.runner.release(keys)
+        self.generators.release(keys)

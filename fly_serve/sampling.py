@@ -1,0 +1,69 @@
+"""Sampling at T > 0: the processed distribution (temperature, then top-p), one random generator
+per sequence, and standard speculative sampling of one row (lossless: tokens are distributed as
+the target's processed distribution whatever the drafts were)."""
+
+import torch
+
+from .contracts import Row
+
+
+def probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
+    """The sampling distribution: temperature, then nucleus (top-p) filtering."""
+    p = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_p, idx = p.sort(dim=-1, descending=True)
+        drop = sorted_p.cumsum(-1) - sorted_p > top_p  # keep the smallest set reaching top_p
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        p = torch.zeros_like(p).scatter(-1, idx, sorted_p)
+        p = p / p.sum(-1, keepdim=True)
+    return p
+
+
+class Generators:
+    """One torch.Generator per sequence, so a seeded request draws the same numbers whatever
+    else shares its batch. `salt` keeps the drafter's stream apart from the target's."""
+
+    def __init__(self, salt: int):
+        self.salt, self.by_key = salt, {}
+
+    def get(self, row: Row) -> torch.Generator:
+        if row.key not in self.by_key:
+            g = torch.Generator()
+            if row.seed is None:
+                g.seed()
+            else:  # any int64 seed maps into the generator's range
+                g.manual_seed((row.seed * 1000003 + self.salt) % 2**63)
+            self.by_key[row.key] = g
+        return self.by_key[row.key]
+
+    def release(self, keys):
+        for key in keys:
+            self.by_key.pop(key, None)
+
+
+def _sample(p: torch.Tensor, generator) -> torch.Tensor:
+    return torch.multinomial(p, 1, generator=generator).squeeze(-1)
+
+
+def speculative_row(p: torch.Tensor, drafts: torch.Tensor, n: int, q: torch.Tensor | None, generator):
+    """Speculative sampling of one row. p [n+1, V] the target's processed distribution at the
+    row's positions, drafts [K], q [n, V] or None (a one-hot proposal, as from prompt lookup).
+    Returns ok [K] (passed the p/q test) and y [K+1] (the residual sample at each position, a
+    sample of p at position n)."""
+    K = drafts.shape[0]
+    d = drafts[:n]
+    p_d = p[torch.arange(n), d]
+    if q is None:
+        q = torch.nn.functional.one_hot(d, p.shape[-1]).float()
+    q_d = q[torch.arange(n), d]
+    u = torch.rand(n, generator=generator)
+    ok = torch.zeros(K, dtype=torch.bool)
+    ok[:n] = u * q_d < p_d  # u < p/q without dividing by zero
+    residual = (p[:n] - q).clamp(min=0)
+    empty = residual.sum(-1, keepdim=True) <= 0  # p == q: any sample of p is exact
+    residual = torch.where(empty, p[:n], residual)
+    y = torch.zeros(K + 1, dtype=torch.long)
+    if n:
+        y[:n] = _sample(residual / residual.sum(-1, keepdim=True), generator)
+    y[n] = _sample(p[n], generator)
+    return ok, y
