@@ -77,7 +77,7 @@ class Scorer(Protocol):
 class RoundResult:
     """What one round did, for the request stats, the serving loop and the metrics."""
 
-    advanced: list = field(default_factory=list)  # the engine Requests of this round
+    advanced: list = field(default_factory=list)  # the engine Requests of this round (failed ones too)
     drafting_rows: int = 0  # rows that had drafts
     draft_s: float = 0.0
     verify_s: float = 0.0
@@ -86,7 +86,26 @@ class RoundResult:
     accepted: int = 0
     loosely_accepted: int = 0
     emitted: int = 0
+    failed: list = field(default_factory=list)  # Requests this round ended with an error
+    drafter_fallback: bool = False  # the model drafter failed; its rows drafted by prompt lookup
 
     @property
     def batch_size(self) -> int:
         return len(self.advanced)
+
+    def merge(self, other: "RoundResult") -> None:
+        """Add a sub-round (a bisected batch runs as several rounds in one step)."""
+        self.advanced += other.advanced
+        self.failed += other.failed
+        self.drafter_fallback |= other.drafter_fallback
+        for name in (
+            "drafting_rows",
+            "draft_s",
+            "verify_s",
+            "decide_s",
+            "drafted",
+            "accepted",
+            "loosely_accepted",
+            "emitted",
+        ):
+            setattr(self, name, getattr(self, name) + getattr(other, name))

@@ -7,6 +7,7 @@ others strictly. So a batch may mix modes and knobs freely.
 """
 
 import itertools
+import logging
 import time
 from collections import deque
 
@@ -18,6 +19,8 @@ from .drafters import LookupDrafter
 from .params import ParamError, Params
 from .request_stats import RequestStats
 from .verify import decide, window_positions
+
+log = logging.getLogger("fly_serve.engine")
 
 
 class Request:
@@ -108,7 +111,7 @@ class Engine:
         self._retire()
 
     def fail_running(self, error: str) -> list[Request]:
-        """End every running request with an error (after a round failed); returns them."""
+        """End every running request with an error (e.g. when the service stops); returns them."""
         failed = [r for r in self.running if not r.finished]
         for req in failed:
             req.finish_reason, req.error = "error", error
@@ -128,23 +131,67 @@ class Engine:
 
     # ---- one round
     def step(self) -> RoundResult:
-        """One round over the running batch."""
+        """One round over the running batch. A failing round is retried once (a replica may be
+        being replaced); if it fails again the batch is bisected, so that a row that breaks the
+        round fails alone while the others advance. A failure that every part of the batch
+        meets (a dead target) fails the batch at once rather than after log2(B) more tries."""
         while self.waiting and len(self.running) < self.max_batch:
             self.running.append(self.waiting.popleft())
         batch = list(self.running)
         if not batch:
             return RoundResult()
-        rows = [self._row(r) for r in batch]
+        try:
+            result = self._try_twice(batch)
+        except Exception as e:
+            result = self._isolate(batch, e)
+        self._retire()
+        return result
 
+    def _try_twice(self, batch: list[Request]) -> RoundResult:
+        try:
+            return self._round(batch)
+        except Exception:
+            log.warning("round of %d rows failed; retrying once", len(batch), exc_info=True)
+            return self._round(batch)
+
+    def _isolate(self, batch: list[Request], error: Exception) -> RoundResult:
+        """Bisect a batch whose round failed twice; fail the rows that still fail alone."""
+        if len(batch) == 1:
+            return self._fail(batch, error)
+        halves = [batch[: len(batch) // 2], batch[len(batch) // 2 :]]
+        outcomes = []
+        for half in halves:
+            try:
+                outcomes.append(self._round(half))
+            except Exception as e:
+                outcomes.append(e)
+        if all(isinstance(o, Exception) for o in outcomes):  # not row-specific: the part is down
+            return self._fail(batch, error)
+        merged = RoundResult()
+        for half, o in zip(halves, outcomes):
+            merged.merge(self._isolate(half, o) if isinstance(o, Exception) else o)
+        return merged
+
+    def _fail(self, batch: list[Request], error: Exception) -> RoundResult:
+        log.error("round failed for %s", [r.id for r in batch], exc_info=error)
+        for req in batch:
+            req.finish_reason, req.error = "error", f"{type(error).__name__}: {error}"
+        return RoundResult(advanced=list(batch), failed=list(batch))
+
+    def _round(self, batch: list[Request]) -> RoundResult:
+        """Draft, verify, decide and commit for these requests; nothing is committed unless all
+        of it succeeds."""
+        rows = [self._row(r) for r in batch]
         t0 = time.perf_counter()
-        drafts = self._draft(batch, rows)
+        drafts, fallback = self._draft(batch, rows)
         t1 = time.perf_counter()
         verdict = self.scorer.verify(rows, drafts)
         t2 = time.perf_counter()
         accept_len, loosely = self._decide(batch, drafts, verdict)
         t3 = time.perf_counter()
 
-        result = RoundResult(batch, sum(1 for d in drafts.tokens if d), t1 - t0, t2 - t1, t3 - t2)
+        result = RoundResult(list(batch), sum(1 for d in drafts.tokens if d), t1 - t0, t2 - t1, t3 - t2)
+        result.drafter_fallback = fallback
         a_list, n_loose, y = accept_len.tolist(), loosely.sum(1).tolist(), verdict.y.tolist()
         for b, req in enumerate(batch):
             a, n = a_list[b], len(drafts.tokens[b])
@@ -153,7 +200,6 @@ class Engine:
             result.accepted += a - n_loose[b]
             result.loosely_accepted += n_loose[b]
             result.emitted += self._commit(req, drafts.tokens[b][:a] + [y[b][a]])
-        self._retire()
         return result
 
     def _row(self, req: Request) -> Row:
@@ -164,15 +210,26 @@ class Engine:
         entropy = p.entropy if p.mode_spec.loose and p.theta < 1 else None
         return Row(req.id, req.tokens, k, p.mla, p.temperature, p.top_p, p.seed, entropy)
 
-    def _draft(self, batch: list[Request], rows: list[Row]) -> Drafts:
-        drafts = Drafts.empty(len(rows))
+    def _draft(self, batch: list[Request], rows: list[Row]) -> tuple[Drafts, bool]:
+        """Drafts for every row, and whether the model drafter failed this round. Its rows then
+        get prompt-lookup drafts (exact at any temperature: a one-hot q), and the next round
+        tries the drafter again: rows carry all their tokens, so they never depend on it."""
+        drafts, fallback = Drafts.empty(len(rows)), False
         for kind, drafter in self.drafters.items():
             idx = [b for b, r in enumerate(batch) if r.params.mode_spec.drafter == kind and rows[b].k]
-            if idx:
+            if not idx:
+                continue
+            try:
                 got = drafter.propose([rows[b] for b in idx])
-                for i, b in enumerate(idx):
-                    drafts.tokens[b], drafts.q[b] = got.tokens[i], got.q[i]
-        return drafts
+            except Exception:
+                if kind == "lookup":
+                    raise
+                log.warning("drafter failed; prompt lookup drafts this round", exc_info=True)
+                fallback = True
+                got = self.drafters["lookup"].propose([rows[b] for b in idx])
+            for i, b in enumerate(idx):
+                drafts.tokens[b], drafts.q[b] = got.tokens[i], got.q[i]
+        return drafts, fallback
 
     def _decide(self, batch: list[Request], drafts: Drafts, verdict):
         n = torch.tensor([len(d) for d in drafts.tokens])
@@ -200,8 +257,13 @@ class Engine:
 
     def _retire(self):
         done = [r.id for r in self.running if r.finished]
-        if done:  # the batch is updated before any release, so a failing release leaves it consistent
-            self.running = [r for r in self.running if not r.finished]
-            for part in (self.scorer, *self.drafters.values()):
-                if part is not None:
-                    part.release(done)
+        if not done:
+            return
+        self.running = [r for r in self.running if not r.finished]
+        for part in (self.scorer, *self.drafters.values()):
+            if part is None:
+                continue
+            try:  # a cache on a dead or replaced replica is gone anyway; LRU reclaims the rest
+                part.release(done)
+            except Exception:
+                log.warning("release of %d finished rows failed", len(done), exc_info=True)

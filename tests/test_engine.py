@@ -1,5 +1,7 @@
 """The engine on tiny random models (fp32): exactness, batching, join/leave, stops, bad input."""
 
+import os
+
 import pytest
 import torch
 
@@ -9,7 +11,8 @@ from fly_serve.params import ParamError
 from fly_serve.runner import Runner
 from fly_serve.tiny import tiny_model, tiny_tokenizer
 
-TARGET, DRAFTER = tiny_model(seed=0), tiny_model(seed=1, num_hidden_layers=1)
+DEVICE = os.environ.get("FLY_TEST_DEVICE", "cpu")  # scripts/gpu_check.sh runs these on "cuda"
+TARGET, DRAFTER = tiny_model(seed=0).to(DEVICE), tiny_model(seed=1, num_hidden_layers=1).to(DEVICE)
 PROMPTS = [torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (3, 8, 13, 21)]
 
 
@@ -29,7 +32,7 @@ AR = generate(mode="ar")
 def test_runner_matches_transformers_and_rolls_back():
     runner = Runner(TARGET, n_slots=2, capacity=4)
     seq = PROMPTS[3]
-    full = TARGET(torch.tensor([seq])).logits[0]
+    full = TARGET(torch.tensor([seq], device=DEVICE)).logits[0]
     runner.feed(["a"], [seq[:10] + [1, 2, 3]])  # three tokens that will be rolled back
     logits, fed = runner.feed(["a"], [seq])
     assert fed == [len(seq) - 10]
@@ -200,8 +203,8 @@ def test_round_result_adds_up():
 def test_different_logit_widths_sample_and_stay_exact():
     """A drafter with fewer logits than the target (as Qwen2.5 0.5B for 7B): both are cut to the
     tokenizer's tokens; greedy spd still equals ar and sampling runs."""
-    narrow = tiny_model(seed=1, num_hidden_layers=1, vocab_size=259)
-    wide = tiny_model(seed=0, vocab_size=272)
+    narrow = tiny_model(seed=1, num_hidden_layers=1, vocab_size=259).to(DEVICE)
+    wide = tiny_model(seed=0, vocab_size=272).to(DEVICE)
     eng = build_engine(wide, narrow, tokenizer=tiny_tokenizer(), max_model_len=256)
     eng.eos_ids = set()
     ar = eng.generate(PROMPTS, dict(mode="ar", max_tokens=12))
@@ -211,3 +214,66 @@ def test_different_logit_widths_sample_and_stay_exact():
     assert all(len(r.generated) == 12 for r in sampled)
     with pytest.raises(ValueError, match="^drafter:"):
         build_engine(wide, tiny_model(seed=1, vocab_size=200), tokenizer=tiny_tokenizer())
+
+
+class FlakyScorer:
+    """The real scorer with injected faults: rows holding `poison` always break the forward;
+    the first `transient` calls fail whatever they hold."""
+
+    def __init__(self, scorer, poison=None, transient=0):
+        self.scorer, self.poison, self.transient, self.calls = scorer, poison, transient, 0
+        self.vocab_size = scorer.vocab_size
+
+    def verify(self, rows, drafts):
+        self.calls += 1
+        if self.calls <= self.transient or any(self.poison in r.tokens for r in rows):
+            raise RuntimeError("injected fault")
+        return self.scorer.verify(rows, drafts)
+
+    def release(self, keys):
+        self.scorer.release(keys)
+
+
+class DeadDrafter:
+    def __init__(self):
+        self.calls = 0
+
+    def propose(self, rows):
+        self.calls += 1
+        raise ConnectionError("drafter replica died")
+
+    def release(self, keys):
+        raise ConnectionError("drafter replica died")
+
+
+def test_a_row_that_breaks_the_round_fails_alone():
+    eng = engine()
+    poison = 257  # a special token, in no other prompt or output
+    assert not any(poison in t for t in PROMPTS + AR)
+    eng.scorer = FlakyScorer(eng.scorer, poison=poison)
+    poisoned = PROMPTS[2] + [poison]
+    reqs = eng.generate(PROMPTS[:2] + [poisoned] + PROMPTS[3:], dict(mode="fly", max_tokens=30))
+    assert reqs[2].finish_reason == "error" and "injected fault" in reqs[2].error
+    assert [r.generated for i, r in enumerate(reqs) if i != 2] == [AR[0], AR[1], AR[3]]
+
+
+def test_a_transient_failure_is_retried_and_a_dead_target_fails_the_batch_quickly():
+    eng = engine()
+    eng.scorer = FlakyScorer(eng.scorer, transient=1)
+    assert [r.generated for r in eng.generate(PROMPTS, dict(mode="fly", max_tokens=30))] == AR
+    eng.scorer.transient = 10**9  # every call fails from now on
+    reqs = [eng.add(p, dict(mode="spd", max_tokens=30)) for p in PROMPTS]
+    calls = eng.scorer.calls
+    result = eng.step()
+    assert result.failed == reqs and all(r.finish_reason == "error" for r in reqs)
+    assert eng.scorer.calls - calls <= 4  # first try, retry, two halves
+    assert not eng.has_work()
+
+
+def test_a_dead_drafter_never_fails_a_request():
+    eng = engine()
+    dead = eng.drafters["model"] = DeadDrafter()
+    reqs = eng.generate(PROMPTS, dict(mode="spd", max_tokens=30))
+    assert [r.generated for r in reqs] == AR and dead.calls > 1  # retried every round
+    sampled = eng.generate(PROMPTS[:2], dict(mode="fly", temperature=0.9, seed=1, max_tokens=10))
+    assert all(len(r.generated) == 10 for r in sampled)
