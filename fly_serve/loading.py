@@ -3,7 +3,8 @@
 A name is "tiny:N" (a tiny random model, tiny.py), an embedded default model, a local
 directory or a hub id (weights.resolve). Precision: "bf16", "fp32", or "int8" (torch dynamic
 quantization with per-channel weights, CPU only: a drafter's precision). A tensor-parallel rank
-gets its shard, cut before the model moves to the device.
+reads only its shard's slices from the safetensors files (sharded_load.py), so a rank's host
+memory is about 1/TP of the weights.
 """
 
 import re
@@ -13,6 +14,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from . import tp
+from .sharded_load import load_shard
 from .tiny import tiny_model, tiny_tokenizer
 from .weights import resolve
 
@@ -56,6 +58,9 @@ def load_model(name: str, precision: str = "bf16", rank: int = 0, world: int = 1
     if precision == "int8" and (world > 1 or torch.cuda.is_available()):
         raise ValueError("precision: int8 (torch dynamic quantization) runs on one CPU process only; use bf16 on GPUs")
     seed = tiny_seed(name)
+    if seed is None and world > 1:  # only this rank's slices are ever read (sharded_load.py)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        return load_shard(resolve(name, progress), DTYPES[precision], rank, world, device)
     if seed is not None:
         model = tiny_model(seed)
     else:
