@@ -2,16 +2,19 @@
 YAML whose `import_path: deployments.app:build` and `args:` feed AppArgs. Building binds the
 deployments only; weights load when the replicas start."""
 
+import json
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 from ray.serve import Application
 
 from fly_serve.weights import DEFAULT_DRAFTER, DEFAULT_TARGET
 
 from .drafter_replica import DrafterDeployment
-from .ingress import Ingress
+from .ingress import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WAITING, DEFAULT_ROUND_TIMEOUT_S, Ingress
 from .lookup_replica import LookupDeployment
+from .placement import DEFAULT_TP_WORKER_OPTIONS, TP_STRATEGY, tp_bundles
+from .remote_parts import DEFAULT_TIMEOUT_S
 from .target_replica import TargetDeployment
 
 
@@ -31,12 +34,21 @@ class AppArgs(BaseModel):
     pld: Literal["ingress", "deployment"] = "ingress"  # where pld mode's prompt lookup runs
     target_threads: int | None = None  # torch threads per target rank
     drafter_threads: int | None = None
-    tp_worker_options: dict = {"num_cpus": 0.1}  # Ray actor options of each TP rank
+    tp_worker_options: dict = DEFAULT_TP_WORKER_OPTIONS  # Ray actor options of each TP rank (GPUs too)
+    speculation_profile: dict | None = None  # k "auto"'s round cost model, as `fly-serve tune-k` writes it
+    # Staying up (deployments/README.md, "Serving that stays up"):
+    max_waiting: int = Field(DEFAULT_MAX_WAITING, ge=0)  # admitted beyond max_batch; past that, 503
+    remote_timeout_s: float = Field(DEFAULT_TIMEOUT_S, gt=0)  # one call to the target / drafter / lookup
+    round_timeout_s: float = Field(DEFAULT_ROUND_TIMEOUT_S, gt=0)  # a round running longer: unhealthy
+    max_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, gt=0)  # a larger request body gets 413
+    # required as "Authorization: Bearer <key>" on /v1; $FLY_API_KEY wins. SecretStr: never printed
+    api_key: SecretStr | None = None
 
-
-def tp_bundles(tp_size: int, worker_cpus: float, replica_cpus: float) -> list[dict]:
-    """Bundle r holds rank r; bundle 0 also holds the replica actor itself."""
-    return [{"CPU": worker_cpus + (replica_cpus if r == 0 else 0)} for r in range(tp_size)]
+    @field_validator("tp_worker_options", "defaults", "speculation_profile", mode="before")
+    @classmethod
+    def _json_from_cli(cls, v):
+        """`serve run deployments.app:build key=value` passes strings: dicts come as JSON."""
+        return json.loads(v) if isinstance(v, str) else v
 
 
 def build(args: AppArgs | dict | None = None) -> Application:
@@ -44,9 +56,9 @@ def build(args: AppArgs | dict | None = None) -> Application:
     target, drafter = ("tiny:0", "tiny:1") if a.tiny else (a.target, a.drafter)
     target_dep = TargetDeployment
     if a.tp_size > 1:
-        replica_cpus = TargetDeployment.ray_actor_options.get("num_cpus", 0.2)
-        bundles = tp_bundles(a.tp_size, a.tp_worker_options.get("num_cpus", 0.1), replica_cpus)
-        target_dep = TargetDeployment.options(placement_group_bundles=bundles, placement_group_strategy="STRICT_PACK")
+        replica_cpus = TargetDeployment.ray_actor_options.get("num_cpus", 1)  # Serve's default is 1
+        bundles = tp_bundles(a.tp_size, a.tp_worker_options, replica_cpus)  # GPU ranks get GPU bundles
+        target_dep = TargetDeployment.options(placement_group_bundles=bundles, placement_group_strategy=TP_STRATEGY)
     target_app = target_dep.bind(target, a.dtype, a.tp_size, a.max_batch, a.target_threads, a.tp_worker_options)
     drafter_app = (
         DrafterDeployment.bind(drafter, a.drafter_precision, a.max_batch, a.drafter_threads) if drafter else None
@@ -63,4 +75,10 @@ def build(args: AppArgs | dict | None = None) -> Application:
         max_model_len=a.max_model_len,
         defaults=a.defaults,
         affinity_groups=a.affinity_groups,
+        speculation_profile=a.speculation_profile,
+        max_waiting=a.max_waiting,
+        remote_timeout_s=a.remote_timeout_s,
+        round_timeout_s=a.round_timeout_s,
+        max_body_bytes=a.max_body_bytes,
+        api_key=a.api_key.get_secret_value() if a.api_key else None,
     )

@@ -4,12 +4,16 @@ HTTP handlers never touch the Engine: they post submissions and aborts to an inb
 thread drains between rounds (that is where requests join and leave). After each round the
 thread hands every advanced request's new text to that request's sink. Whatever one inbox item
 does (a bad request, a client that already left, a release on a dead replica) is handled alone;
-a failing round fails the requests of that round and the loop goes on.
+a failing round fails the requests of that round and the loop goes on; an unexpected fault in
+the loop's own bookkeeping is logged and the loop goes on too. `problem()` says when the loop
+cannot be trusted any more (its thread ended, or a round has run far too long): the ingress's
+health check turns that into a replica replacement, and waiting handlers into an error answer.
 """
 
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -20,6 +24,8 @@ from fly_serve.params import Params
 
 log = logging.getLogger("fly_serve.engine_loop")
 
+FAULT_BACKOFF_S = 0.5  # after an unexpected fault in the loop: a fault that repeats must not spin a core
+
 
 @dataclass
 class Update:
@@ -28,7 +34,7 @@ class Update:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     fly: dict = field(default_factory=dict)
-    error: str | None = None  # the request failed (a replica died ...): it is over
+    error: str | None = None  # the request failed (a replica died ...): it is over. Internal detail, for the log
 
 
 @dataclass
@@ -38,6 +44,7 @@ class _Submit:
     request_id: str
     sink: Callable[[Update], None]
     future: Future
+    arrival: float  # time.monotonic() when the request arrived, for the time to first token
 
 
 @dataclass
@@ -45,27 +52,55 @@ class _Abort:
     request_id: str
 
 
+@dataclass
+class _Timing:
+    arrival: float
+    first_token: float | None = None
+
+
 class EngineLoop:
-    def __init__(self, engine: Engine, metrics=None):
+    def __init__(self, engine: Engine, metrics=None, round_timeout_s: float = float("inf")):
         self.engine, self.metrics = engine, metrics
+        self.round_timeout_s = round_timeout_s
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.wake = threading.Event()
         self.sinks: dict[str, Callable[[Update], None]] = {}
+        self.timing: dict[str, _Timing] = {}
         self.max_batch_seen: dict[str, int] = {}  # request id -> largest batch it was part of
         self.rounds, self.largest_batch = 0, 0
+        self.finished: dict[str, int] = {}  # finish_reason -> requests (stop, length, abort, error)
         self.last_round = RoundResult()
+        self.round_started: float | None = None  # time.monotonic() while a round runs
+        self.stop_reason: str | None = None  # set by stop(): the loop ends its requests and exits
         self.thread = threading.Thread(target=self._run, name="fly-engine-loop", daemon=True)
         self.thread.start()
 
     # ---- called from handlers (any thread)
-    def submit(self, prompt, params: Params | dict, request_id: str, sink) -> Future:
+    def submit(self, prompt, params: Params | dict, request_id: str, sink, arrival: float | None = None) -> Future:
         """Future of the engine Request, or of the ParamError that rejected it."""
         fut = Future()
-        self._post(_Submit(prompt, params, request_id, sink, fut))
+        self._post(_Submit(prompt, params, request_id, sink, fut, time.monotonic() if arrival is None else arrival))
         return fut
 
     def abort(self, request_id: str) -> None:
+        """Idempotent: aborting a finished or unknown request does nothing."""
         self._post(_Abort(request_id))
+
+    def stop(self, reason: str) -> None:
+        """Ends every request still here with an error (reason goes to the log) and ends the thread
+        after the round in progress."""
+        self.stop_reason = reason
+        self.wake.set()
+
+    def problem(self) -> str | None:
+        """Why this loop cannot serve (None: it can): its thread has ended, or a round has run
+        longer than round_timeout_s (a hang that the remote calls' own timeouts did not catch)."""
+        if not self.thread.is_alive():
+            return "the engine loop has stopped"
+        started = self.round_started
+        if started is not None and time.monotonic() - started > self.round_timeout_s:
+            return f"a round has run for over {self.round_timeout_s:g} s"
+        return None
 
     def snapshot(self) -> dict:
         r = self.last_round
@@ -74,6 +109,7 @@ class EngineLoop:
             "largest_batch": self.largest_batch,
             "running": len(self.engine.running),
             "waiting": len(self.engine.waiting),
+            "finished": dict(self.finished),
             "last_round": {
                 "batch_size": r.batch_size,
                 "draft_s": r.draft_s,
@@ -92,20 +128,32 @@ class EngineLoop:
 
     # ---- the engine thread
     def _run(self) -> None:
-        while True:
-            self._drain()
-            if not self.engine.has_work():
-                self.wake.wait()
-                self.wake.clear()
-                continue
+        while self.stop_reason is None:
             try:
-                result = self.engine.step()
-            except Exception as e:  # a deployment failed: end this round's requests, keep serving
-                log.exception("round failed")
-                self._fail_running(f"{type(e).__name__}: {e}")
-                continue
-            self._count_round(result)
-            self._publish(result.advanced)
+                self._iterate()
+            except Exception:  # bookkeeping, metrics, a sink: never let it end the loop
+                log.exception("engine loop iteration failed; continuing")
+                time.sleep(FAULT_BACKOFF_S)
+        self._shutdown(self.stop_reason)
+
+    def _iterate(self) -> None:
+        self._drain()
+        self._report_queue()
+        if not self.engine.has_work():
+            self.wake.wait()
+            self.wake.clear()
+            return
+        self.round_started = time.monotonic()
+        try:
+            result = self.engine.step()
+        except Exception as e:  # the engine retries and isolates itself; this is what is left
+            log.exception("round failed")
+            self._fail_running(f"{type(e).__name__}: {e}")
+            return
+        finally:
+            self.round_started = None
+        self._count_round(result)
+        self._publish(result.advanced)
 
     def _drain(self) -> None:
         while True:
@@ -119,7 +167,7 @@ class EngineLoop:
                 else:
                     self._abort(item.request_id)
             except Exception:  # one item never stops the loop
-                log.exception("inbox item %r failed", item)
+                log.exception("inbox item %s failed", type(item).__name__)
 
     def _add(self, s: _Submit) -> None:
         if not s.future.set_running_or_notify_cancel():
@@ -130,6 +178,7 @@ class EngineLoop:
             s.future.set_exception(e)
             return
         self.sinks[req.id] = s.sink
+        self.timing[req.id] = _Timing(s.arrival)
         s.future.set_result(req)
 
     def _abort(self, request_id: str) -> None:
@@ -138,6 +187,10 @@ class EngineLoop:
             self.engine.abort(request_id)
         finally:
             self._publish(reqs)
+
+    def _report_queue(self) -> None:
+        if self.metrics:
+            self.metrics.queue(len(self.engine.running), len(self.engine.waiting))
 
     def _count_round(self, result: RoundResult) -> None:
         self.rounds += 1
@@ -149,22 +202,44 @@ class EngineLoop:
             self.metrics.round(result)
 
     def _publish(self, reqs: list[Request]) -> None:
+        now = time.monotonic()
         for req in reqs:
             sink = self.sinks.get(req.id)
             if sink is None:
                 continue
+            self._time(req, now)
             update = Update(req.delta())
             if req.finished:
                 update.finish_reason, update.error = req.finish_reason, req.error
                 update.prompt_tokens, update.completion_tokens = req.n_prompt, len(req.generated)
                 update.fly = {**req.stats.as_dict(), "max_batch_size": self.max_batch_seen.get(req.id, 0)}
                 self._forget(req.id)
+                self.finished[req.finish_reason] = self.finished.get(req.finish_reason, 0) + 1
                 if self.metrics:
                     self.metrics.done(req.finish_reason)
-            sink(update)
+                    if req.finish_reason == "error":  # a failed round (or a stop) failed this request
+                        self.metrics.failure("error")
+            try:
+                sink(update)
+            except Exception:  # the handler's event loop is gone (shutdown): nobody to tell
+                log.warning("request %s: its update could not be delivered", req.id, exc_info=True)
+
+    def _time(self, req: Request, now: float) -> None:
+        """Time to first token when the request's first token is out; time per output token
+        (after the first) when it finishes."""
+        t = self.timing.get(req.id)
+        if t is None or not self.metrics:
+            return
+        n = len(req.tokens) - req.n_prompt
+        if t.first_token is None and n > 0:
+            t.first_token = now
+            self.metrics.first_token(now - t.arrival)
+        if req.finish_reason in ("stop", "length") and t.first_token is not None and n > 1:
+            self.metrics.per_output_token((now - t.first_token) / (n - 1))
 
     def _forget(self, request_id: str) -> None:
         self.sinks.pop(request_id, None)
+        self.timing.pop(request_id, None)
         self.max_batch_seen.pop(request_id, None)
 
     def _fail_running(self, error: str) -> None:
@@ -174,3 +249,18 @@ class EngineLoop:
         except Exception:  # releasing caches on a dead replica: the batch is already retired
             log.exception("release after a failed round")
         self._publish(failed)
+
+    def _shutdown(self, reason: str) -> None:
+        """Every request still here ends with an error, so that no handler waits for a loop that
+        is gone: the waiting ones never started, the running ones are failed."""
+        try:
+            self._drain()  # submissions already posted get their answer too
+            waiting = list(self.engine.waiting)
+            for req in waiting:
+                self.engine.abort(req.id)
+                req.finish_reason, req.error = "error", reason
+            self._fail_running(reason)
+            self._publish(waiting)
+        except Exception:
+            log.exception("engine loop shutdown")
+        self._report_queue()

@@ -1,10 +1,18 @@
 """`fly-serve serve`: a local Ray, the Serve config deployed as `serve run <config>` would,
-a line when the API answers, then block until Ctrl-C."""
+a line when the API answers, then block until SIGTERM or Ctrl-C.
+
+Stopping is graceful: the first SIGTERM / SIGINT asks each application's ingress to stop
+admitting (`drain`: new requests get 503), waits up to --grace-s until no request is in flight,
+and only then shuts Serve down. The order matters: Serve's own shutdown kills its HTTP proxies at
+once, so whatever is still in flight then loses its connection. A second signal skips the wait.
+The exit status is 0 either way.
+"""
 
 import argparse
 import os
 import signal
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -13,15 +21,26 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = ROOT / "deployments" / "cpu-default.yaml"
+GRACE_S = 30.0  # --grace-s when the config sets no graceful_shutdown_timeout_s
+# After the replicas finish a response, the proxy may still be writing its last bytes.
+SETTLE_S = 1.0
+POLL_S = 0.5
 
 
-def parse(argv):
+def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="fly-serve serve", description="Serve the OpenAI-compatible API on Ray Serve.")
     p.add_argument("--config", default=str(DEFAULT_CONFIG), help="Serve config YAML (default: %(default)s)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--tiny", action="store_true", help="tiny random models (starts in seconds; for smoke tests)")
     p.add_argument("--num-cpus", type=int, default=None, help="logical CPUs for the local Ray (default: all)")
+    p.add_argument(
+        "--grace-s",
+        type=float,
+        default=None,
+        help="on SIGTERM, how long in-flight requests may take to finish (default: the config's largest "
+        f"graceful_shutdown_timeout_s, else {GRACE_S:g})",
+    )
     return p.parse_args(argv)
 
 
@@ -36,29 +55,103 @@ def load_config(path: str, host: str, port: int, tiny: bool):
     return ServeDeploySchema.model_validate(raw)
 
 
-def wait_ready(url: str, timeout_s: float = 1800):
-    """Until /healthz answers: the first start may convert the weights (a minute or more)."""
+def config_grace_s(config) -> float:
+    """The longest graceful_shutdown_timeout_s the config gives a deployment: the profile says how
+    long its requests may take, and the launcher's wait should not cut them shorter."""
+    timeouts = [
+        d.graceful_shutdown_timeout_s
+        for app in config.applications
+        for d in app.deployments
+        if isinstance(d.graceful_shutdown_timeout_s, int | float)
+    ]
+    return max(timeouts, default=GRACE_S)
+
+
+class StopSignals:
+    """SIGTERM and SIGINT: the first asks for a graceful stop, a second to stop waiting."""
+
+    def __init__(self):
+        self.requested, self.hurry = threading.Event(), threading.Event()
+        self.install()
+
+    def install(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum: int, frame) -> None:
+        (self.hurry if self.requested.is_set() else self.requested).set()
+
+
+def wait_ready(url: str, stop: threading.Event, timeout_s: float = 1800) -> bool:
+    """Until /healthz answers (the first start may convert the weights: a minute or more), or a
+    stop is asked for."""
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and not stop.is_set():
         try:
             with urllib.request.urlopen(f"{url}/healthz", timeout=5) as r:
                 if r.status == 200:
                     return True
         except OSError:
             pass
-        time.sleep(2)
+        stop.wait(2)
     return False
 
 
-def main(argv=None) -> int:
+def in_flight(app_names: list[str]) -> int | None:
+    """Requests in flight. Asking an ingress (`drain`) also makes it stop admitting: from then on
+    it answers new requests 503 and serves the ones it has to their last byte."""
+    from ray import serve
+
+    try:
+        return sum(serve.get_app_handle(name).drain.remote().result(timeout_s=10) for name in app_names)
+    except Exception:  # an ingress without `drain`: it admits on, but what it serves is counted
+        return ongoing_at_replicas()
+
+
+def ongoing_at_replicas() -> int | None:
+    """Requests in flight at all Serve replicas (HTTP requests at an ingress, round calls at the
+    others), as each replica counts them for the autoscaler; None if they could not be asked."""
+    import ray
+    from ray.serve._private.common import REPLICA_ID_FULL_ID_STR_PREFIX
+    from ray.serve._private.constants import SERVE_NAMESPACE
+
+    try:
+        names = [
+            a["name"]
+            for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["namespace"] == SERVE_NAMESPACE and a["name"].startswith(REPLICA_ID_FULL_ID_STR_PREFIX)
+        ]
+        refs = [ray.get_actor(n, namespace=SERVE_NAMESPACE).get_num_ongoing_requests.remote() for n in names]
+        return sum(ray.get(refs, timeout=10))
+    except Exception:  # a replica going away mid-count: count again at the next poll
+        return None
+
+
+def drain(app_names: list[str], grace_s: float, hurry: threading.Event) -> int | None:
+    """Stop admitting, then wait until nothing is in flight (at most grace_s, or until `hurry`);
+    returns what is still in flight (None: unknown)."""
+    deadline = time.monotonic() + grace_s
+    left = in_flight(app_names)
+    while left != 0 and time.monotonic() < deadline and not hurry.is_set():
+        hurry.wait(POLL_S)
+        left = in_flight(app_names)
+    if left == 0:
+        hurry.wait(SETTLE_S)
+    return left
+
+
+def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    stop = StopSignals()  # before Ray starts: a SIGTERM during start-up also stops cleanly
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     # replicas import `deployments` and `fly_serve` from this checkout
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     import ray
+    from ray import serve
     from ray.serve._private import api as serve_api
 
     config = load_config(args.config, args.host, args.port, args.tiny)
+    grace_s = config_grace_s(config) if args.grace_s is None else args.grace_s
     ray.init(
         address="local",
         num_cpus=args.num_cpus,
@@ -66,24 +159,29 @@ def main(argv=None) -> int:
         namespace="serve",
         _node_ip_address="127.0.0.1",
     )
+    stop.install()  # ray.init replaces the SIGTERM handler with an immediate exit
     client = serve_api.serve_start(http_options=config.http_options.model_dump(), proxy_location=config.proxy_location)
     client.deploy_apps(config, _blocking=False)
     url = f"http://{args.host}:{args.port}"
     print(f"fly-serve: deploying {args.config} ...", flush=True)
-    if not wait_ready(url):
+    status = 0
+    if wait_ready(url, stop.requested):
+        print(f"fly-serve: ready at {url}/v1 (Ctrl-C or SIGTERM stops)", flush=True)
+        while not stop.requested.wait(1):
+            pass
+        print(f"fly-serve: stopping; in-flight requests have {grace_s:g} s to finish", flush=True)
+        t0 = time.monotonic()
+        left = drain([app.name for app in config.applications], grace_s, stop.hurry)
+        waited = time.monotonic() - t0
+        outcome = "nothing left in flight" if left == 0 else f"{'some' if left is None else left} still in flight"
+        print(f"fly-serve: drained for {waited:.1f} s: {outcome}", flush=True)
+    elif not stop.requested.is_set():
         print("fly-serve: the application did not become ready", file=sys.stderr)
-        return 1
-    print(f"fly-serve: ready at {url}/v1 (Ctrl-C stops)", flush=True)
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill` shuts down like Ctrl-C
-    try:
-        while True:
-            time.sleep(3600)
-    except KeyboardInterrupt:
-        from ray import serve
-
-        serve.shutdown()
-        ray.shutdown()
-    return 0
+        status = 1
+    serve.shutdown()
+    ray.shutdown()
+    print("fly-serve: stopped", flush=True)
+    return status
 
 
 if __name__ == "__main__":

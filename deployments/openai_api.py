@@ -1,14 +1,19 @@
 """OpenAI wire format: request bodies (pydantic), response / chunk bodies, error bodies.
 
 Unknown top-level OpenAI fields are ignored (clients send many); the `fly` object is strict,
-since a mistyped knob silently ignored would measure the wrong thing.
+since a mistyped knob silently ignored would measure the wrong thing. Bodies are parsed here, not
+by FastAPI, so that the ingress can check their size and the caller's key before any parsing.
+Error bodies carry only what the client needs (field, reason, request id): `clean()` keeps
+control characters, escapes and unencodable text out of them.
 """
 
+import json
+import re
 import time
 import typing
 import uuid
 
-from pydantic import BaseModel, ConfigDict, Field, create_model
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from fly_serve.params import ParamError, knobs
 
@@ -76,8 +81,55 @@ class ChatRequest(Common):
         return p
 
 
-def error_body(message: str, param: str | None, kind: str = "invalid_request_error", code=None) -> dict:
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+class BodyError(ValueError):
+    """The body is not a request: not JSON, not an object, or a field of the wrong shape (400)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.message, self.param = message, param
+
+
+def parse_body(raw: bytes, model: type[BaseModel]) -> BaseModel:
+    """The request model of a raw body; BodyError names the first bad field ("fly.k",
+    "messages.0.role") as OpenAI's `param`."""
+    try:
+        obj = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+        raise BodyError(f"body: not valid JSON ({type(e).__name__})") from None
+    if not isinstance(obj, dict):
+        raise BodyError("body: must be a JSON object")
+    try:
+        return model.model_validate(obj)
+    except ValidationError as e:
+        first = e.errors(include_url=False, include_input=False)[0]
+        param = ".".join(str(p) for p in first.get("loc", ())) or None
+        raise BodyError(f"{param or 'body'}: {first.get('msg')}", param) from None
+
+
+MESSAGE_CHARS = 500  # an error message longer than this is cut: it is for a person to read
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def clean(text: str) -> str:
+    """Text safe to put in a JSON error body: no terminal escapes or control characters, no lone
+    surrogates (which would not encode), bounded length."""
+    text = _CONTROL.sub("", _ANSI.sub("", text)).encode("utf-8", "replace").decode("utf-8")
+    return text if len(text) <= MESSAGE_CHARS else text[: MESSAGE_CHARS - 3] + "..."
+
+
+def error_body(
+    message: str,
+    param: str | None,
+    kind: str = "invalid_request_error",
+    code: str | None = None,
+    request_id: str | None = None,
+) -> dict:
+    """OpenAI's error object, plus the id the client can quote to find the detail in the log."""
+    err = {"message": clean(message), "type": kind, "param": param and clean(param), "code": code}
+    if request_id is not None:
+        err["request_id"] = request_id
+    return {"error": err}
 
 
 def new_id(prefix: str) -> str:

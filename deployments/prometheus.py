@@ -1,5 +1,7 @@
-"""Prometheus metrics of the round loop, vLLM-style names (vllm:spec_decode_* -> fly_spec_decode_*).
-Exported by Ray's metrics agent (ray.serve.metrics adds deployment/replica tags)."""
+"""Prometheus metrics of the ingress: the round loop's (vLLM-style names, vllm:spec_decode_* ->
+fly_spec_decode_*) and the requests' (vllm:num_requests_waiting -> fly_num_requests_waiting, time to
+first token, time per output token, failures by reason). Exported by Ray's metrics agent
+(ray.serve.metrics adds deployment/replica tags)."""
 
 from ray.serve import metrics
 
@@ -7,6 +9,10 @@ from fly_serve.contracts import RoundResult
 
 SECONDS = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10]
 BATCH = [1, 2, 4, 8, 16, 32, 64, 128]
+# vLLM's buckets, stretched at the top: a first token on a CPU can wait behind whole prefills
+TTFT_SECONDS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80, 160, 640]
+TPOT_SECONDS = [0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1, 2.5, 5, 10]
+FAILURE_REASONS = ("rejected", "overloaded", "error")  # a 4xx, a 503, a 5xx (a failed round among them)
 
 
 def inc(counter, n, tags=None):
@@ -15,7 +21,10 @@ def inc(counter, n, tags=None):
         counter.inc(n, tags=tags)
 
 
-class RoundMetrics:
+class ServingMetrics:
+    """Created once per ingress replica; the engine thread reports rounds, queue sizes and request
+    timings, the HTTP handlers report the requests they turn away."""
+
     def __init__(self):
         c = metrics.Counter
         self.num_drafts = c("fly_spec_decode_num_drafts", "Draft proposals (one per sequence per round).")
@@ -34,6 +43,21 @@ class RoundMetrics:
             "fly_round_phase_seconds", "Round time by phase.", boundaries=SECONDS, tag_keys=("phase",)
         )
         self.batch = metrics.Histogram("fly_batch_size", "Sequences per round.", boundaries=BATCH)
+        self.waiting = metrics.Gauge("fly_num_requests_waiting", "Requests admitted, waiting for a place in the batch.")
+        self.running = metrics.Gauge("fly_num_requests_running", "Requests in the running batch.")
+        self.ttft = metrics.Histogram(
+            "fly_time_to_first_token_seconds", "From arrival to the first generated token.", boundaries=TTFT_SECONDS
+        )
+        self.tpot = metrics.Histogram(
+            "fly_time_per_output_token_seconds",
+            "Per request: time after the first token / the tokens after it.",
+            boundaries=TPOT_SECONDS,
+        )
+        self.failed = c(
+            "fly_num_requests_failed",
+            "Requests that failed: rejected (4xx), overloaded (503), error (5xx, a failed round).",
+            tag_keys=("reason",),
+        )
         self.seq_rounds = 0
         self.total_emitted = 0
 
@@ -52,3 +76,16 @@ class RoundMetrics:
 
     def done(self, finish_reason: str) -> None:
         self.finished.inc(tags={"finish_reason": finish_reason})
+
+    def queue(self, running: int, waiting: int) -> None:
+        self.running.set(running)
+        self.waiting.set(waiting)
+
+    def first_token(self, seconds: float) -> None:
+        self.ttft.observe(seconds)
+
+    def per_output_token(self, seconds: float) -> None:
+        self.tpot.observe(seconds)
+
+    def failure(self, reason: str) -> None:
+        self.failed.inc(tags={"reason": reason})

@@ -1,22 +1,74 @@
 """The engine's parts as calls to deployments: RemoteScorer satisfies contracts.Scorer,
 RemoteDrafter and RemoteLookup contracts.Drafter, so the ingress's Engine runs its rounds
 unchanged while drafting and verification run in their own replicas. Called from the engine
-thread (not an event loop), so the blocking `.result()` is fine there."""
+thread (not an event loop), so the blocking `.result()` is fine there.
 
+Every call waits at most `timeout_s`: a replica that hangs or is gone makes the call raise
+RemoteTimeout, the engine's round fails (the engine retries it, then isolates the rows, and a
+drafter failure falls back to prompt lookup), and no request waits forever. Releases (freeing a
+finished sequence's KV cache) wait less still and never raise: a cache on a dead or replaced
+replica is gone anyway, and a live replica's LRU reclaims what a lost release leaves.
+"""
+
+import logging
+import time
 import zlib
 
 from fly_serve.contracts import Drafts, Row, Verdict
 
+log = logging.getLogger("fly_serve.remote_parts")
+
+DEFAULT_TIMEOUT_S = 120.0
+RELEASE_TIMEOUT_S = 5.0  # at most; the engine thread waits for releases between rounds
+
+
+class RemoteTimeout(TimeoutError):
+    """A deployment did not answer within the timeout."""
+
+
+def wait(response, timeout_s: float, what: str):
+    """The result of a handle call, or RemoteTimeout after timeout_s; a timed-out call is
+    cancelled so that it does not keep its place in the replica's queue."""
+    try:
+        return response.result(timeout_s=max(0.0, timeout_s))
+    except TimeoutError:  # Serve's own and ray.exceptions.GetTimeoutError
+        try:
+            response.cancel()
+        except Exception:  # best effort: the replica may be gone
+            pass
+        raise RemoteTimeout(f"{what} did not answer within {timeout_s:g} s") from None
+
+
+def release_all(responses: list, timeout_s: float, what: str) -> None:
+    """Waits for release calls together, at most timeout_s in all; logs what failed."""
+    deadline = time.monotonic() + timeout_s
+    for response in responses:
+        try:
+            response.result(timeout_s=max(0.0, deadline - time.monotonic()))
+        except Exception as e:
+            log.warning("%s.release failed (%s); the replica's LRU reclaims those slots", what, type(e).__name__)
+
 
 class RemoteScorer:
-    def __init__(self, handle, vocab_size: int):
-        self.handle, self.vocab_size = handle, vocab_size
+    def __init__(self, handle, vocab_size: int, timeout_s: float = DEFAULT_TIMEOUT_S):
+        self.handle, self.vocab_size, self.timeout_s = handle, vocab_size, timeout_s
+        self._kv_capacity: int | None = None
+
+    @property
+    def kv_capacity_tokens(self) -> int | None:
+        """The target replica's KV cache size, asked once (the engine admits requests within it)."""
+        if self._kv_capacity is None:
+            try:
+                self._kv_capacity = wait(self.handle.kv_capacity.remote(), self.timeout_s, "target.kv_capacity")
+            except Exception:
+                return None  # not known yet: the replica's own cache still refuses what cannot fit
+        return self._kv_capacity
 
     def verify(self, rows: list[Row], drafts: Drafts) -> Verdict:
-        return self.handle.verify.remote(rows, drafts).result()
+        return wait(self.handle.verify.remote(rows, drafts), self.timeout_s, "target.verify")
 
     def release(self, keys: list[str]) -> None:
-        self.handle.release.remote(keys).result()
+        release_all([self.handle.release.remote(keys)], min(self.timeout_s, RELEASE_TIMEOUT_S), "target")
 
 
 def group_of(key: str, n_groups: int) -> int:
@@ -27,10 +79,10 @@ def group_of(key: str, n_groups: int) -> int:
 class RemoteDrafter:
     """Splits a round's rows into affinity groups; each group is one call tagged with
     multiplexed_model_id "g<n>", so Serve sends it to the replica that served the group before
-    (and holds those rows' KV caches). The group calls run concurrently."""
+    (and holds those rows' KV caches). The group calls run concurrently, under one deadline."""
 
-    def __init__(self, handle, n_groups: int = 1):
-        self.handle, self.n_groups = handle, n_groups
+    def __init__(self, handle, n_groups: int = 1, timeout_s: float = DEFAULT_TIMEOUT_S):
+        self.handle, self.n_groups, self.timeout_s = handle, n_groups, timeout_s
 
     def _split(self, keys: list[str]) -> dict[int, list[int]]:
         groups: dict[int, list[int]] = {}
@@ -44,9 +96,11 @@ class RemoteDrafter:
     def propose(self, rows: list[Row]) -> Drafts:
         groups = self._split([r.key for r in rows])
         calls = {g: self._for(g).propose.remote([rows[i] for i in idx]) for g, idx in groups.items()}
+        deadline = time.monotonic() + self.timeout_s
         out = Drafts.empty(len(rows))
         for g, idx in groups.items():
-            got = calls[g].result()
+            got = wait(calls[g], deadline - time.monotonic(), "drafter.propose")
+            out.forwards = max(out.forwards, got.forwards)  # the groups draft concurrently
             for j, i in enumerate(idx):
                 out.tokens[i], out.q[i] = got.tokens[j], got.q[j]
         return out
@@ -54,18 +108,17 @@ class RemoteDrafter:
     def release(self, keys: list[str]) -> None:
         groups = self._split(keys)
         calls = [self._for(g).release.remote([keys[i] for i in idx]) for g, idx in groups.items()]
-        for call in calls:
-            call.result()
+        release_all(calls, min(self.timeout_s, RELEASE_TIMEOUT_S), "drafter")
 
 
 class RemoteLookup:
     """Prompt lookup through the lookup deployment (app built with pld="deployment")."""
 
-    def __init__(self, handle):
-        self.handle = handle
+    def __init__(self, handle, timeout_s: float = DEFAULT_TIMEOUT_S):
+        self.handle, self.timeout_s = handle, timeout_s
 
     def propose(self, rows: list[Row]) -> Drafts:
-        return self.handle.propose.remote(rows).result()
+        return wait(self.handle.propose.remote(rows), self.timeout_s, "lookup.propose")
 
     def release(self, keys: list[str]) -> None:
         pass  # prompt lookup keeps no per-sequence state

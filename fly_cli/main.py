@@ -1,5 +1,6 @@
 """`fly-serve generate "prompt"`: FLy on the embedded default pair (or any other pair);
-`fly-serve serve`: the Ray Serve application on 127.0.0.1:8000."""
+`fly-serve serve`: the Ray Serve application on 127.0.0.1:8000; `fly-serve tune-k`: cost curves,
+acceptance and the best k per batch size on this machine, and a `speculation_profile` for Serve."""
 
 import argparse
 import json
@@ -8,16 +9,24 @@ import time
 import typing
 from dataclasses import MISSING
 
+from fly_cli import tune_k
 from fly_serve.loading import DTYPES, PRECISIONS
 from fly_serve.params import ParamError, Params, knobs
 from fly_serve.weights import DEFAULT_DRAFTER, DEFAULT_TARGET
 
 
+def _int_or_word(value: str):
+    return int(value) if value.lstrip("-").isdigit() else value
+
+
 def _base_type(annotation):
-    """int for `int | None`, str for `list[str]`: the type one flag value parses to."""
+    """int for `int | None`, str for `list[str]`, int-or-word for `int | str` (k: 15 or "auto"):
+    the type one flag value parses to."""
     args = [a for a in typing.get_args(annotation) if a is not type(None)]
     if typing.get_origin(annotation) is list:
         return args[0]
+    if set(args) == {int, str}:
+        return _int_or_word
     return args[0] if args else annotation
 
 
@@ -102,11 +111,14 @@ def main(argv=None) -> None:
     add_knobs(g)
     add_pair(g)
     sub.add_parser("serve", help="start the Ray Serve application (flags: fly-serve serve --help)", add_help=False)
+    tune_k.add_args(sub.add_parser("tune-k", help="measure cost curves and acceptance; print the best k per batch"))
     args, rest = parser.parse_known_args(argv)
+    if args.command in ("generate", "tune-k") and rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "generate":
-        if rest:
-            parser.error(f"unrecognized arguments: {' '.join(rest)}")
         generate(args)
+    elif args.command == "tune-k":
+        tune_k.run(args)
     else:
         from deployments.launch import main as serve
 

@@ -28,10 +28,13 @@ def build_engine(
     max_model_len: int = 4096,
     defaults: Params | None = None,
     draft_min_confidence: float = 0.0,
+    speculation_profile: dict | None = None,
+    kv_budget_tokens: int | None = None,
     progress=print,
 ) -> Engine:
     """target / drafter: a model name (loading.py) or a loaded model; drafter None: no draft
-    model (modes ar and pld). With a loaded target, pass its tokenizer."""
+    model (modes ar and pld). With a loaded target, pass its tokenizer. kv_budget_tokens: tokens
+    each KV cache holds (default: max_batch sequences of 4096); requests are admitted within it."""
     if tokenizer is None:
         if not isinstance(target, str):
             raise ValueError("tokenizer: required when the target is an already-loaded model")
@@ -43,9 +46,15 @@ def build_engine(
             check_same_tokenizer(tokenizer, load_tokenizer(drafter, progress))
             drafter = load_model(drafter, drafter_precision, progress=progress)
         check_widths(target_model, drafter, tokenizer)
-        draft = ModelDrafter(drafter, n_slots=max_batch, min_confidence=draft_min_confidence, vocab_size=len(tokenizer))
+        draft = ModelDrafter(
+            drafter,
+            n_slots=max_batch,
+            min_confidence=draft_min_confidence,
+            vocab_size=len(tokenizer),
+            kv_budget_tokens=kv_budget_tokens,
+        )
     max_model_len = min(max_model_len, target_model.config.max_position_embeddings)
-    scorer = ModelScorer(target_model, n_slots=max_batch, vocab_size=len(tokenizer))
+    scorer = ModelScorer(target_model, n_slots=max_batch, vocab_size=len(tokenizer), kv_budget_tokens=kv_budget_tokens)
     return Engine(
         scorer,
         draft,
@@ -54,4 +63,5 @@ def build_engine(
         max_batch=max_batch,
         max_model_len=max_model_len,
         defaults=defaults,
+        speculation_profile=speculation_profile,
     )

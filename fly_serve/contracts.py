@@ -22,6 +22,7 @@ class Row:
     top_p: float = 1.0
     seed: int | None = None
     entropy: str | None = None  # the gate's entropy for this row; None: the row decides strictly
+    min_confidence: float = 0.0  # a model drafter stops the row once its own probability falls below
 
     @property
     def sampled(self) -> bool:
@@ -35,6 +36,7 @@ class Drafts:
 
     tokens: list[list[int]]
     q: list[torch.Tensor | None]
+    forwards: int = 0  # drafter forwards it took (batched: one forward drafts for every row)
 
     @classmethod
     def empty(cls, n_rows: int) -> "Drafts":
@@ -67,6 +69,7 @@ class Scorer(Protocol):
     """The target side of a round: one forward over [last token, d_1..d_K] for every row."""
 
     vocab_size: int
+    kv_capacity_tokens: int | None  # tokens its KV cache holds, all sequences together (None: unknown)
 
     def verify(self, rows: list[Row], drafts: Drafts) -> Verdict: ...
 

@@ -36,8 +36,10 @@ class ModelDrafter:
         min_n: int = 1,
         min_confidence: float = 0.0,
         vocab_size: int | None = None,
+        kv_budget_tokens: int | None = None,
     ):
-        self.runner = Runner(model, n_slots=n_slots)
+        self.runner = Runner(model, n_slots=n_slots, budget_tokens=kv_budget_tokens)
+        self.kv_capacity_tokens = self.runner.cache.capacity_tokens
         self.max_n, self.min_n = max_n, min_n
         # A greedy row stops drafting once the drafter's own probability of its token falls
         # below this: the tokens after it would mostly be thrown away (0: always draft k).
@@ -62,10 +64,13 @@ class ModelDrafter:
         drafts = [[] for _ in rows]
         qs = [[] for _ in rows]
         active = [b for b, r in enumerate(rows) if r.k > 0]
+        forwards = 0
         while active:
             unsure = self._step([rows[b] for b in active], [drafts[b] for b in active], [qs[b] for b in active])
             active = [b for i, b in enumerate(active) if len(drafts[b]) < rows[b].k and i not in unsure]
-        return Drafts(drafts, [torch.stack(q) if rows[b].sampled else None for b, q in enumerate(qs)])
+            forwards += 1
+        q = [torch.stack(q) if rows[b].sampled else None for b, q in enumerate(qs)]
+        return Drafts(drafts, q, forwards)
 
     def _step(self, rows: list[Row], drafts: list[list[int]], qs: list[list]) -> set[int]:
         """One batched drafter forward: each row feeds its last token plus a lookup proposal and
@@ -90,10 +95,11 @@ class ModelDrafter:
         none = torch.zeros(len(rows), dtype=torch.long)
         accept_len, _ = decide(ok, None, n, theta=torch.ones(len(rows)), check=none)
         unsure = set()
-        if self.min_confidence > 0:
+        floor = [max(self.min_confidence, r.min_confidence) for r in rows]
+        if any(floor):
             last = logits[torch.arange(len(rows)), accept_len.to(logits.device)]
             conf = torch.softmax(last.float(), -1).max(-1).values.cpu()
-            unsure = {b for b, r in enumerate(rows) if not r.sampled and conf[b] < self.min_confidence}
+            unsure = {b for b, r in enumerate(rows) if not r.sampled and conf[b] < floor[b]}
         for b, (r, a) in enumerate(zip(rows, accept_len.tolist())):
             new = proposals[b][:a] + [int(y[b, a])]
             room = r.k - len(drafts[b])

@@ -18,9 +18,15 @@ from .contracts import Drafter, Drafts, RoundResult, Row, Scorer
 from .drafters import LookupDrafter
 from .params import ParamError, Params
 from .request_stats import RequestStats
+from .speculation_policy import MODEL, NONE, PLD, RowInfo, SpeculationPolicy
 from .verify import decide, window_positions
 
 log = logging.getLogger("fly_serve.engine")
+
+
+def kv_need(n_prompt: int, params: Params) -> int:
+    """KV tokens a request may hold at its longest: its whole output plus one round's drafts."""
+    return n_prompt + params.max_tokens + params.k_cap + 1
 
 
 class Request:
@@ -69,12 +75,15 @@ class Engine:
         max_batch: int = 8,
         max_model_len: int = 4096,
         defaults: Params | None = None,
+        speculation_profile: dict | None = None,
     ):
         self.scorer, self.tokenizer = scorer, tokenizer
         self.drafters: dict[str, Drafter | None] = {"lookup": LookupDrafter(), "model": drafter}
         self.eos_ids = set(eos_ids)
         self.max_batch, self.max_model_len = max_batch, max_model_len
         self.defaults = defaults or Params()
+        # k "auto": the round's cost model (seeded by `fly-serve tune-k`) and each row's acceptance
+        self.policy = SpeculationPolicy.from_profile(speculation_profile)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._ids = itertools.count()
@@ -99,6 +108,12 @@ class Engine:
         vocab = self.scorer.vocab_size
         if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in prompt):
             raise ParamError("prompt", f"token ids must be integers in [0, {vocab})")
+        need, capacity = kv_need(len(prompt), params), self.kv_capacity()
+        if capacity is not None and need > capacity:
+            raise ParamError(
+                "max_tokens",
+                f"prompt + max_tokens + k + 1 = {need} tokens can never fit the KV cache of {capacity} tokens",
+            )
         if params.mode_spec.drafter and self.drafters[params.mode_spec.drafter] is None:
             raise ParamError("mode", f"{params.mode!r} needs a draft model and this engine has none")
         return Request(request_id or f"req-{next(self._ids)}", prompt, params)
@@ -135,8 +150,7 @@ class Engine:
         being replaced); if it fails again the batch is bisected, so that a row that breaks the
         round fails alone while the others advance. A failure that every part of the batch
         meets (a dead target) fails the batch at once rather than after log2(B) more tries."""
-        while self.waiting and len(self.running) < self.max_batch:
-            self.running.append(self.waiting.popleft())
+        self._admit_waiting()
         batch = list(self.running)
         if not batch:
             return RoundResult()
@@ -146,6 +160,24 @@ class Engine:
             result = self._isolate(batch, e)
         self._retire()
         return result
+
+    def kv_capacity(self) -> int | None:
+        """Tokens every part's KV cache can hold at once (the smallest), None if unknown."""
+        parts = [self.scorer, self.drafters["model"]]
+        known = [c for c in (getattr(p, "kv_capacity_tokens", None) for p in parts if p is not None) if c]
+        return min(known) if known else None
+
+    def _admit_waiting(self) -> None:
+        """Running requests reserve their whole KV need (prompt + max_tokens + a round's drafts), so
+        a request joins only when it fits beside them, and no sequence can run the cache out."""
+        capacity = self.kv_capacity()
+        used = sum(kv_need(r.n_prompt, r.params) for r in self.running)
+        while self.waiting and len(self.running) < self.max_batch:
+            need = kv_need(self.waiting[0].n_prompt, self.waiting[0].params)
+            if capacity is not None and used + need > capacity:
+                break  # first come, first served: it waits until running requests finish
+            used += need
+            self.running.append(self.waiting.popleft())
 
     def _try_twice(self, batch: list[Request]) -> RoundResult:
         try:
@@ -182,6 +214,7 @@ class Engine:
         """Draft, verify, decide and commit for these requests; nothing is committed unless all
         of it succeeds."""
         rows = [self._row(r) for r in batch]
+        self._choose_ks(batch, rows)
         t0 = time.perf_counter()
         drafts, fallback = self._draft(batch, rows)
         t1 = time.perf_counter()
@@ -200,13 +233,38 @@ class Engine:
             result.accepted += a - n_loose[b]
             result.loosely_accepted += n_loose[b]
             result.emitted += self._commit(req, drafts.tokens[b][:a] + [y[b][a]])
+        self.policy.record(
+            [r.key for r in rows],
+            [len(d) for d in drafts.tokens],
+            a_list,
+            draft_s=t1 - t0,
+            verify_s=t2 - t1,
+            forwards=drafts.forwards,
+            other_s=time.perf_counter() - t2,
+        )
         return result
+
+    def _choose_ks(self, batch: list[Request], rows: list[Row]) -> None:
+        """k "auto" rows get this round's k from the policy, which weighs every row's expected
+        tokens against the round's predicted seconds; fixed-k rows share the round as they are."""
+        if not any(r.params.auto_k for r in batch):
+            return
+        kinds = {"model": MODEL, "lookup": PLD, None: NONE}
+        infos = [
+            RowInfo(row.key, row.k, kinds[req.params.mode_spec.drafter], fixed=not req.params.auto_k)
+            for req, row in zip(batch, rows)
+        ]
+        ks = self.policy.choose(infos)
+        stop_below = self.policy.min_confidence()
+        for req, row, k in zip(batch, rows, ks):
+            if req.params.auto_k:
+                row.k, row.min_confidence = k, stop_below
 
     def _row(self, req: Request) -> Row:
         p = req.params
         # Never draft past what the request may still emit: a round emits at most k + 1.
         room = min(p.max_tokens - len(req.generated), self.max_model_len - len(req.tokens)) - 1
-        k = 0 if p.mode_spec.drafter is None else max(0, min(p.k, room))
+        k = 0 if p.mode_spec.drafter is None else max(0, min(p.k_cap, room))
         entropy = p.entropy if p.mode_spec.loose and p.theta < 1 else None
         return Row(req.id, req.tokens, k, p.mla, p.temperature, p.top_p, p.seed, entropy)
 
@@ -260,6 +318,7 @@ class Engine:
         if not done:
             return
         self.running = [r for r in self.running if not r.finished]
+        self.policy.release(done)
         for part in (self.scorer, *self.drafters.values()):
             if part is None:
                 continue

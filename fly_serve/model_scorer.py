@@ -10,8 +10,11 @@ from .verify import entropy, greedy_check, padded
 
 
 class ModelScorer:
-    def __init__(self, model, n_slots: int = 8, tp_group=None, vocab_size: int | None = None):
-        self.runner = Runner(model, n_slots=n_slots, tp_group=tp_group)
+    def __init__(
+        self, model, n_slots: int = 8, tp_group=None, vocab_size: int | None = None, kv_budget_tokens: int | None = None
+    ):
+        self.runner = Runner(model, n_slots=n_slots, tp_group=tp_group, budget_tokens=kv_budget_tokens)
+        self.kv_capacity_tokens = self.runner.cache.capacity_tokens  # the engine admits within it
         # The tokens the tokenizer knows: logits past them (padding rows of a wider head) are
         # cut, so target and drafter distributions always have the same width.
         self.vocab_size = vocab_size or model.config.vocab_size

@@ -58,7 +58,12 @@ def default_window(k: int) -> int:
 @dataclass
 class Params:
     mode: str = knob("fly", "decoding mode", choices=tuple(MODES))
-    k: int = knob(15, "drafts per round (a cap)")
+    k: int | str = knob(
+        15,
+        'drafts per round (a cap), or "auto": each round the engine picks every row\'s k '
+        "in 0..k_max for the most tokens per second (speculation_policy.py)",
+    )
+    k_max: int = knob(15, 'the cap of k when k is "auto"')
     theta: float = knob(0.3, "entropy gate: defer a mismatch only where the target's entropy >= theta; >= 1 is SPD")
     window: int | None = knob(
         None, "W: a deferred mismatch is kept if the next W positions match (default min(6, k - 1))"
@@ -89,8 +94,17 @@ class Params:
         return MODES[self.mode]
 
     @property
+    def auto_k(self) -> bool:
+        return self.k == "auto"
+
+    @property
+    def k_cap(self) -> int:
+        """The most drafts a round may give this request."""
+        return self.k_max if self.auto_k else self.k
+
+    @property
     def effective_window(self) -> int:
-        return default_window(self.k) if self.window is None else self.window
+        return default_window(self.k_cap) if self.window is None else self.window
 
     def validate(self, prompt_len: int, max_model_len: int) -> "Params":
         def bad(name, why):
@@ -113,14 +127,16 @@ class Params:
                 "max_tokens",
                 f"prompt ({prompt_len} tokens) + max_tokens exceeds the context window of {max_model_len} tokens",
             )
-        if not is_int(self.k) or self.k < 1:
-            bad("k", "must be an integer >= 1")
+        if not self.auto_k and (not is_int(self.k) or self.k < 1):
+            bad("k", 'must be an integer >= 1 or "auto"')
+        if not is_int(self.k_max) or self.k_max < 1:
+            bad("k_max", "must be an integer >= 1")
         if not is_num(self.theta) or not 0 <= self.theta <= 1:
             bad("theta", "must be in [0, 1]")
         if self.window is not None and (not is_int(self.window) or self.window < 0):
             bad("window", "must be an integer >= 0")
-        if self.mode_spec.loose and self.effective_window >= self.k:
-            bad("window", f"must be < k ({self.k})")
+        if self.mode_spec.loose and self.effective_window >= self.k_cap:
+            bad("window", f"must be < k ({self.k_cap})")
         if self.entropy not in ENTROPIES:
             bad("entropy", f"must be one of {', '.join(ENTROPIES)}")
         if self.window_rule not in WINDOW_RULES:

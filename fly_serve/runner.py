@@ -1,23 +1,77 @@
 """A compact batched forward for the Llama family (Llama 3.x, Qwen2/2.5, Mistral).
 
 Weights, norms, MLPs and rotary embeddings are the transformers model's own modules; only
-attention is ours, so that the KV cache is a set of slots with per-row lengths (see kv_cache.py).
+attention is ours, so that the KV cache is paged, with per-row lengths (see kv_cache.py).
 That gives each row its own positions and lets a row roll back by forgetting tokens, with no
 copying and no recomputed prefix. Rows are right-padded: row b feeds `lengths[b]` real tokens;
-the padding writes cache positions that stay invisible until real tokens overwrite them.
+the padding writes cache positions that stay invisible until real tokens overwrite them (or the
+scratch block, past a row's blocks).
 
 Tensor parallelism (tp.py) shards the Linear layers Megatron-style; this forward then sees
 fewer heads per rank and all-reduces the two row-parallel outputs.
 """
+
 import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from .kv_cache import KVCache
+from .kv_cache import KVCache, cdiv
+
+DEFAULT_SEQ_TOKENS = 4096  # the default budget: n_slots sequences of this many tokens
+DEFAULT_INITIAL_TOKENS = 256  # per slot, allocated up front by default; the pool grows from there
+
+
+class SliceIO:
+    """One row whose blocks are consecutive in the pool: its keys are a slice of the pool (a view,
+    no copy), as in a cache of fixed slots."""
+
+    def __init__(self, base: int, start: int, n_new: int, n_keys: int):
+        self.lo, self.hi, self.base, self.n_keys = base + start, base + start + n_new, base, n_keys
+
+    def write(self, pool: torch.Tensor, new: torch.Tensor):
+        pool[self.lo : self.hi] = new
+
+    def read(self, pool: torch.Tensor) -> torch.Tensor:
+        return pool[self.base : self.base + self.n_keys][None]
+
+
+class GatherIO:
+    """Rows anywhere in the pool: writes scatter token rows, reads gather whole blocks."""
+
+    def __init__(self, table: torch.Tensor, pos: torch.Tensor, block_size: int, n_keys: int):
+        # table [B, n_blocks] -> pool rows of the new tokens [B*T] ...
+        self.rows = (table.gather(1, pos // block_size) * block_size + pos % block_size).flatten()
+        # ... and the blocks to read, whole blocks being cheaper to copy than token rows.
+        self.blocks, self.shape, self.n_keys, self.block_size = table.flatten(), table.shape, n_keys, block_size
+
+    def write(self, pool: torch.Tensor, new: torch.Tensor):
+        pool.index_copy_(0, self.rows, new)
+
+    def read(self, pool: torch.Tensor) -> torch.Tensor:
+        B, n_blocks = self.shape
+        # Blocks as flat rows: index_select then copies each with one memcpy.
+        blocks = pool.view(-1, self.block_size * pool[0].numel()).index_select(0, self.blocks)
+        return blocks.view(B, n_blocks * self.block_size, *pool.shape[1:])[:, : self.n_keys]
 
 
 class Runner:
-    def __init__(self, model, n_slots: int = 8, capacity: int = 256, tp_group=None):
+    def __init__(
+        self,
+        model,
+        n_slots: int = 8,
+        capacity: int | None = None,
+        tp_group=None,
+        *,
+        budget_bytes: int | None = None,
+        budget_tokens: int | None = None,
+        block_size: int = 16,
+        max_seqs: int | None = None,
+    ):
+        """n_slots: sequences held at once (idle ones past it are evicted, least recently used
+        first; max_seqs overrides). KV cache budget: budget_bytes or budget_tokens (e.g. from
+        kv_cache.budget_from_device), allocated now; by default n_slots x DEFAULT_SEQ_TOKENS
+        tokens, allocated as needed from n_slots x `capacity` tokens (DEFAULT_INITIAL_TOKENS when
+        not given) on. `capacity` keeps its old meaning: a starting size, not a limit."""
         cfg = model.config
         self.model, self.cfg, self.tp_group = model, cfg, tp_group
         tp = torch.distributed.get_world_size(tp_group) if tp_group is not None else 1
@@ -27,8 +81,22 @@ class Runner:
         self.layers = model.model.layers
         self.dtype = model.model.embed_tokens.weight.dtype
         self.device = model.model.embed_tokens.weight.device
-        self.cache = KVCache(len(self.layers), n_slots, self.kv_heads, self.head_dim, self.dtype, capacity,
-                             self.device)
+        initial = None
+        if budget_bytes is None and budget_tokens is None:
+            budget_tokens = n_slots * DEFAULT_SEQ_TOKENS
+            initial = n_slots * (capacity or DEFAULT_INITIAL_TOKENS)
+        self.cache = KVCache(
+            len(self.layers),
+            self.kv_heads,
+            self.head_dim,
+            self.dtype,
+            self.device,
+            budget_bytes=budget_bytes,
+            budget_tokens=budget_tokens,
+            block_size=block_size,
+            max_seqs=max_seqs or n_slots,
+            initial_tokens=initial,
+        )
         self.vocab_size = cfg.vocab_size
 
     def _all_reduce(self, x):
@@ -36,25 +104,35 @@ class Runner:
             torch.distributed.all_reduce(x, group=self.tp_group)
         return x
 
+    def _io(self, seqs: list[int], starts: torch.Tensor, pos: torch.Tensor, n_new: int, n_keys: int):
+        """How this forward writes and reads the pool: a slice when it can, else through the block table."""
+        cache = self.cache
+        n_blocks = cdiv(n_keys, cache.block_size)
+        base = cache.run_start(seqs[0], n_blocks) if len(seqs) == 1 else None
+        if base is not None:
+            return SliceIO(base, int(starts[0]), n_new, n_keys)
+        table = cache.block_table(seqs, n_blocks).to(self.device, non_blocking=True)
+        return GatherIO(table, pos, cache.block_size, n_keys)
+
     @torch.inference_mode()
     def forward(self, slots, starts, input_ids, logits_at="all"):
-        """input_ids [B, T] written at positions starts[b] + t of slot slots[b].
+        """input_ids [B, T] written at positions starts[b] + t of cache sequence slots[b] (from
+        cache.plan, which gave it the blocks for its real tokens).
 
         logits_at: "all" -> logits [B, T, V]; None -> no logits (a prefill that only fills the
         cache); a LongTensor [B, n] -> logits [B, n, V] at those positions of each row.
         """
         dev = self.device
-        slots, starts, input_ids = slots.to(dev), starts.to(dev), input_ids.to(dev)
+        seqs = slots.tolist() if torch.is_tensor(slots) else list(slots)
+        starts = torch.as_tensor(starts).cpu()
+        input_ids = input_ids.to(dev)
         B, T = input_ids.shape
-        pos = starts[:, None] + torch.arange(T, device=dev)[None, :]  # [B, T]
-        n_keys = int(pos.max()) + 1
+        n_keys = int(starts.max()) + T  # from the CPU copy: no device sync
+        pos = (starts[:, None] + torch.arange(T)[None, :]).to(dev)  # [B, T]
+        io = self._io(seqs, starts, pos, T, n_keys)
         cache = self.cache
-        cache.ensure_capacity(n_keys)
         # Key j is visible to the query at position p iff j <= p.
         mask = (torch.arange(n_keys, device=dev)[None, None, :] <= pos[:, :, None])[:, None]  # [B,1,T,n_keys]
-        s0 = int(slots[0])
-        contiguous = bool((slots == torch.arange(s0, s0 + B, device=dev)).all())
-        rows = slots[:, None].expand(B, T)
 
         x = self.model.model.embed_tokens(input_ids)
         cos, sin = self.model.model.rotary_emb(x, pos)
@@ -65,15 +143,17 @@ class Runner:
             k = attn.k_proj(h).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
             v = attn.v_proj(h).view(B, T, self.kv_heads, self.head_dim)
             q, k = apply_rotary_pos_emb(q, k, cos, sin)
-            cache.k[i][rows, pos] = k.transpose(1, 2).to(self.dtype)
-            cache.v[i][rows, pos] = v.to(self.dtype)
-            if contiguous:
-                keys, values = cache.k[i][s0:s0 + B, :n_keys], cache.v[i][s0:s0 + B, :n_keys]
-            else:
-                keys, values = cache.k[i][slots, :n_keys], cache.v[i][slots, :n_keys]
+            io.write(cache.k[i], k.transpose(1, 2).reshape(B * T, self.kv_heads, self.head_dim).to(cache.dtype))
+            io.write(cache.v[i], v.reshape(B * T, self.kv_heads, self.head_dim).to(cache.dtype))
+            keys, values = io.read(cache.k[i]), io.read(cache.v[i])  # [B, n_keys, kv_heads, head_dim]
             o = F.scaled_dot_product_attention(
-                q, keys.transpose(1, 2).to(q.dtype), values.transpose(1, 2).to(q.dtype),
-                attn_mask=mask, scale=attn.scaling, enable_gqa=self.n_heads != self.kv_heads)
+                q,
+                keys.transpose(1, 2).to(q.dtype),
+                values.transpose(1, 2).to(q.dtype),
+                attn_mask=mask,
+                scale=attn.scaling,
+                enable_gqa=self.n_heads != self.kv_heads,
+            )
             o = attn.o_proj(o.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
             x = x + self._all_reduce(o)
             x = x + self._all_reduce(layer.mlp(layer.post_attention_layernorm(x)))
@@ -83,34 +163,39 @@ class Runner:
             x = x.gather(1, logits_at.to(dev)[:, :, None].expand(-1, -1, x.shape[-1]))
         return self.model.lm_head(self.model.model.norm(x)).float()
 
-    def feed(self, keys: list[str], tokens: list[list[int]], tail: list[int] | None = None, logits=True):
-        """Bring each row's slot up to its tokens; returns (logits, fed), fed[b] being the number
+    def feed(self, keys: list[str], tokens: list[list[int]], tail: list[int] | None = None, logits=True, protect=()):
+        """Bring each row's cache up to its tokens; returns (logits, fed), fed[b] being the number
         of tokens fed for row b. Without `tail`, logits [B, max(fed), V] of every fed position
         (right-padded); with it, logits [B, max(tail), V] of each row's last tail[b] tokens
-        (left-aligned), which are fed even if the slot holds them."""
-        limits = [None] * len(keys) if tail is None else [len(t) - n for t, n in zip(tokens, tail)]
-        plans = [self.cache.plan(key, toks, lim) for key, toks, lim in zip(keys, tokens, limits)]
+        (left-aligned), which are fed even if the cache holds them. Raises kv_cache.KVCacheFull,
+        with every cached sequence left as it was, when the blocks do not fit; idle sequences
+        (not in keys or protect) may be evicted to make room."""
+        limits = None if tail is None else [len(t) - n for t, n in zip(tokens, tail)]
+        plans = self.cache.plan(keys, tokens, limits, protect)
         fed = [len(toks) - start for (_, start), toks in zip(plans, tokens)]
         T = max(fed)
         ids = torch.zeros(len(keys), T, dtype=torch.long)
-        for b, ((slot, start), toks) in enumerate(zip(plans, tokens)):
-            ids[b, :fed[b]] = torch.tensor(toks[start:])
-            self.cache.wrote(slot, toks[start:])
-        slots = torch.tensor([s for s, _ in plans])
+        for b, ((_, start), toks) in enumerate(zip(plans, tokens)):
+            ids[b, : fed[b]] = torch.tensor(toks[start:])
+        seqs = torch.tensor([s for s, _ in plans])
         starts = torch.tensor([st for _, st in plans])
         logits_at = "all" if logits else None
         if logits and tail is not None:  # row b's last tail[b] tokens start at fed[b] - tail[b]
             offsets = torch.tensor([f - n for f, n in zip(fed, tail)])
             logits_at = (offsets[:, None] + torch.arange(max(tail))[None, :]).clamp(max=T - 1)
-        return self.forward(slots, starts, ids, logits_at), fed
+        out = self.forward(seqs, starts, ids, logits_at)
+        for (s, start), toks in zip(plans, tokens):  # only now: a forward that failed wrote nothing valid
+            self.cache.wrote(s, toks[start:])
+        return out, fed
 
     def catch_up(self, keys: list[str], tokens: list[list[int]], max_lag: int = 1):
-        """Prefill, one row at a time, the rows whose slot lags more than max_lag tokens behind,
+        """Prefill, one row at a time, the rows whose cache lags more than max_lag tokens behind,
         so that a joining sequence's prompt does not pad every other row of the round's forward;
-        a short lag rides along in the round's own forward instead."""
+        a short lag rides along in the round's own forward instead. The round's other rows are
+        protected from eviction meanwhile."""
         for key, toks in zip(keys, tokens):
             if len(toks) - self.cache.valid(key, toks) > max_lag:
-                self.feed([key], [toks[:-1]], logits=False)
+                self.feed([key], [toks[:-1]], logits=False, protect=keys)
 
     def release(self, keys):
         self.cache.release(keys)

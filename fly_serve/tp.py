@@ -6,6 +6,7 @@ sum, which Runner all-reduces. Embeddings, norms and lm_head stay whole on every
 Works over NCCL on GPUs and gloo on CPUs (torch.distributed picks by backend).
 """
 
+import datetime
 import os
 
 import torch
@@ -44,11 +45,27 @@ def shard(model, rank: int, world: int):
     return model
 
 
-def init_group(rank: int, world: int, addr: str = "127.0.0.1", port: int = 29511, backend: str | None = None):
-    """Join the process group of a target replica; returns the group (the default one)."""
+def init_group(
+    rank: int,
+    world: int,
+    addr: str = "127.0.0.1",
+    port: int = 29511,
+    backend: str | None = None,
+    timeout_s: float = 600.0,
+):
+    """Join the process group of a target replica; returns the group (the default one).
+
+    timeout_s bounds the rendezvous (a rank that never arrives fails the others instead of
+    hanging them) and, as the group's default, every collective after it."""
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     os.environ.setdefault("MASTER_ADDR", addr)
     os.environ.setdefault("MASTER_PORT", str(port))
     if not dist.is_initialized():
-        dist.init_process_group(backend, rank=rank, world_size=world, init_method=f"tcp://{addr}:{port}")
+        dist.init_process_group(
+            backend,
+            rank=rank,
+            world_size=world,
+            init_method=f"tcp://{addr}:{port}",
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
     return dist.group.WORLD

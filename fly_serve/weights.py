@@ -181,4 +181,3 @@ def check_same_tokenizer(target_tok, drafter_tok) -> None:
         diffs.append(f"eos: {target_tok.eos_token_id} vs {drafter_tok.eos_token_id}")
     if diffs:
         raise ValueError(f"drafter: tokenizer differs from the target's ({'; '.join(diffs)})")
-

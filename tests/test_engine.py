@@ -277,3 +277,38 @@ def test_a_dead_drafter_never_fails_a_request():
     assert [r.generated for r in reqs] == AR and dead.calls > 1  # retried every round
     sampled = eng.generate(PROMPTS[:2], dict(mode="fly", temperature=0.9, seed=1, max_tokens=10))
     assert all(len(r.generated) == 10 for r in sampled)
+
+
+def test_auto_k_stays_exact_and_backs_off_when_verification_is_costly():
+    """k "auto" only changes how many drafts a row gets: spd stays ar. Where verifying a token
+    costs as much as a whole round, speculation does not pay and the policy drafts nothing."""
+    eng = engine()
+    reqs = eng.generate(PROMPTS, dict(mode="spd", k="auto", k_max=6, max_tokens=30))
+    assert [r.generated for r in reqs] == AR
+    steep = {
+        "verify": {"tokens": [1, 2], "seconds": [1.0, 2.0]},
+        "draft": {"per_round": 0.0, "per_forward": 1.0, "per_row_forward": 1.0},
+    }
+    eng = engine(speculation_profile=steep)
+    eng.policy.tracker.prior = 0.05  # a drafter that is rarely right
+    reqs = [eng.add(p, dict(mode="fly", k="auto", max_tokens=30)) for p in PROMPTS]
+    eng.step()
+    assert all(r.stats.drafted == 0 for r in reqs)
+    with pytest.raises(ParamError, match="^k:"):
+        eng.add(PROMPTS[0], dict(k="many", max_tokens=5))
+
+
+def test_admission_at_the_kv_budget_edge():
+    """A request that can never fit the KV cache is refused at once; one that cannot fit now waits
+    for a running request to finish; none fails the batch."""
+    eng = engine(kv_budget_tokens=64, max_batch=4)  # 4 blocks of 16 tokens
+    assert eng.kv_capacity() == 64
+    with pytest.raises(ParamError, match="^max_tokens:.*KV cache of 64"):
+        eng.add(PROMPTS[3], dict(mode="spd", k=4, max_tokens=60))
+    first = eng.add(PROMPTS[1], dict(mode="spd", k=4, max_tokens=30))  # needs 8 + 30 + 5 = 43
+    second = eng.add(PROMPTS[0], dict(mode="spd", k=4, max_tokens=20))  # needs 3 + 20 + 5 = 28
+    eng.step()
+    assert eng.running == [first] and list(eng.waiting) == [second]
+    while eng.has_work():
+        eng.step()
+    assert first.generated == AR[1] and second.generated == AR[0][:20]

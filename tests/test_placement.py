@@ -3,6 +3,7 @@ of the profiles: GPU ranks get GPU bundles, the hand-written bundles of the YAML
 builder, and the GPU profiles fit the node types of cluster.yaml. Nothing here starts Ray."""
 
 import copy
+import json
 from pathlib import Path
 
 import pytest
@@ -222,3 +223,18 @@ def test_cli(capsys):
     assert main([str(DEPLOYMENTS / "llama-70b.yaml"), str(CLUSTER)]) == 0
     assert '"FlyTarget"' in capsys.readouterr().out
     assert main([]) == 2
+
+
+def test_app_builder_places_gpu_ranks_from_the_command_line_style_args():
+    """`serve run deployments.app:build tp_size=4 tp_worker_options='{...}'` (strings, as Serve's
+    CLI passes them) builds GPU bundles for the target's ranks."""
+    from ray.serve._private.build_app import build_app
+
+    from deployments.app import build
+
+    worker = {"num_cpus": 2, "num_gpus": 1, "resources": {"fly_target_gpu": 1}}
+    app = build({"tp_size": "4", "tp_worker_options": json.dumps(worker), "drafter": None})
+    [target] = [d for d in build_app(app, name="fly").deployments if d.name == "FlyTarget"]
+    bundles = target._replica_config.placement_group_bundles
+    assert len(bundles) == 4 and all(b["GPU"] == 1 and b["fly_target_gpu"] == 1 for b in bundles)
+    assert target._replica_config.placement_group_strategy == "STRICT_PACK"

@@ -151,7 +151,10 @@ assert not diff, diff
 
 
 def python(code: str, *args: str) -> str:
-    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    # A clean environment: what earlier tests left in os.environ (Ray's, the serve fixture's)
+    # must not change how a fresh process loads and so what its peak memory is.
+    keep = {k: os.environ[k] for k in ("PATH", "HOME", "LANG", "FLY_SERVE_CACHE") if k in os.environ}
+    env = dict(keep, PYTHONPATH=str(REPO))
     out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     return out.stdout

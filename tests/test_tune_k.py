@@ -1,0 +1,152 @@
+"""`fly-serve tune-k` on tiny models end to end, and its table math on made-up costs (no speed asserted)."""
+
+import argparse
+
+import pytest
+import torch
+import yaml
+from tqdm import tqdm
+
+from fly_cli import tune_k
+from fly_cli.main import main
+from fly_serve.build import build_engine
+from fly_serve.speculation_policy import RoundCostModel
+
+QUICK = ["tune-k", "--target", "tiny:0", "--drafter", "tiny:1", "--quick"]
+
+
+def table_rows(text: str) -> list[list[str]]:
+    """The data rows of the markdown table in tune-k's output, as cells."""
+    rows = []
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("|") and cells[0].isdigit():
+            rows.append(cells)
+    return rows
+
+
+def check_profile(profile: dict) -> RoundCostModel:
+    cost = RoundCostModel(profile)
+    assert RoundCostModel(cost.to_profile()).verify_s(3.0) == pytest.approx(cost.verify_s(3.0))
+    assert all(s >= 0 for s in profile["verify"]["seconds"] + profile["draft"]["seconds"])
+    return cost
+
+
+def test_quick_run_writes_a_profile_the_cost_model_loads(tmp_path, capsys):
+    out = tmp_path / "profile.yaml"
+    main([*QUICK, "--out", str(out)])
+    printed = capsys.readouterr().out
+    rows = table_rows(printed)
+    assert [int(r[0]) for r in rows] == list(tune_k.QUICK_BATCH_SIZES)
+    assert all(0 <= int(r[1].split()[0]) <= tune_k.QUICK_K_MAX for r in rows)
+    snippet = yaml.safe_load(out.read_text())
+    assert set(snippet) == {"speculation_profile"}
+    profile = snippet["speculation_profile"]
+    check_profile(profile)
+    # verify knots: every distinct token count of the grid, B * (k + 1)
+    expected = sorted({b * (k + 1) for b in tune_k.QUICK_BATCH_SIZES for k in tune_k.k_grid(tune_k.QUICK_K_MAX)})
+    assert profile["verify"]["tokens"] == expected
+    assert profile["draft"]["rows"] == list(tune_k.QUICK_BATCH_SIZES)
+
+
+def test_run_returns_the_table_and_prints_the_yaml_after_it(capsys):
+    parser = argparse.ArgumentParser()
+    tune_k.add_args(parser)
+    result = tune_k.run(parser.parse_args(QUICK[1:]))
+    printed = capsys.readouterr().out
+    assert printed.index("| batch |") < printed.index("speculation_profile:")
+    assert yaml.safe_load(printed[printed.index("# fly-serve tune-k") :]) == {"speculation_profile": result.profile}
+    assert [r.batch for r in result.rows] == [1, 2]
+    for r in result.rows:
+        assert len(r.rates) == len(r.spd_rates) == tune_k.QUICK_K_MAX + 1
+        assert r.measured is not None and r.measured_k == max(r.best_k, 1)
+    assert 0 <= result.fly.acceptance <= 1 and result.fly.rounds > 0
+
+
+def test_k_grid():
+    assert tune_k.k_grid(15) == [0, 1, 3, 7, 15]
+    assert tune_k.k_grid(10) == [0, 1, 3, 7, 10]
+    assert tune_k.k_grid(3) == [0, 1, 3]
+    assert tune_k.k_grid(1) == [0, 1]
+
+
+def flat_verify_profile(draft_seconds: list[float]) -> dict:
+    """A target forward of 1 s at any token count; the drafter's seconds per forward at 1 and 2 rows."""
+    return {
+        "verify": {"tokens": [1, 1000], "seconds": [1.0, 1.0]},
+        "draft": {"rows": [1, 2], "seconds": draft_seconds, "per_round": 0.0},
+        "overhead_s": 0.0,
+    }
+
+
+def test_table_math_by_hand():
+    # One row, a = 0.5, a forward of the drafter 0.1 s: rate(k) = (2 - 0.5**k) / (1 + 0.1 k):
+    # 1, 1.364, 1.458, 1.442, ...: best k = 2.
+    cost = RoundCostModel(flat_verify_profile([0.1, 0.1]))
+    rates = tune_k.expected_curve(cost, 0.5, 1.0, 1, 5)
+    assert rates == pytest.approx([(2 - 0.5**k) / (1 + 0.1 * k) for k in range(6)])
+    assert tune_k.best_k(rates) == 2
+    # MLA at 2 drafts per forward: k costs ceil(k / 2) forwards, so k = 4 (two forwards,
+    # 1.9375 tokens in 1.2 s) beats k = 2 (1.75 in 1.1 s) and k = 3 (1.875 in 1.2 s).
+    assert tune_k.best_k(tune_k.expected_curve(cost, 0.5, 2.0, 1, 6)) == 4
+    # Two rows, a = 0.6 from the counts, 0.1 s per row per forward (no fixed part):
+    # rate(k) = 2 (1 - 0.6**(k+1)) / 0.4 / (1 + 0.2 k) = 2, 2.667, 2.8, 2.72, ...: best k = 2.
+    fly = tune_k.Calibration("fly", 5, kept=6, rejections=4)
+    spd = tune_k.Calibration("spd", 5, kept=0, rejections=3)
+    assert fly.acceptance == pytest.approx(0.6) and spd.acceptance == 0.0
+    (row,) = tune_k.batch_rows(flat_verify_profile([0.1, 0.2]), fly, spd, [2], 5)
+    assert row.rates[:4] == pytest.approx([2.0, 3.2 / 1.2, 3.92 / 1.4, 4.352 / 1.6])
+    assert row.best_k == 2 and row.expected_speedup == pytest.approx(3.92 / 1.4 / 2.0)
+    assert row.spd_best_k == 0 and row.spd_expected_speedup == 1.0  # nothing kept: drafting never pays
+
+
+def test_build_profile_merges_points_with_the_same_token_count():
+    verify = [
+        tune_k.VerifyPoint(1, 1, [0.2, 0.4, 0.3]),  # 2 tokens
+        tune_k.VerifyPoint(2, 0, [0.1]),  # 2 tokens
+        tune_k.VerifyPoint(1, 0, [0.1, 0.1]),  # 1 token
+    ]
+    draft = [tune_k.DraftPoint(1, 0.05, 0.01), tune_k.DraftPoint(2, 0.06, 0.03), tune_k.DraftPoint(4, 0.08, 0.02)]
+    profile = tune_k.build_profile(verify, draft, 0.004)
+    assert profile["verify"] == {"tokens": [1, 2], "seconds": [0.1, 0.25]}
+    assert profile["draft"] == {"rows": [1, 2, 4], "seconds": [0.05, 0.06, 0.08], "per_round": 0.02}
+    cost = check_profile(yaml.safe_load(tune_k.profile_yaml(profile, "a\nheader"))["speculation_profile"])
+    assert cost.overhead_s == pytest.approx(0.004)
+
+
+@pytest.fixture(scope="module")
+def tiny_engine():
+    return build_engine("tiny:0", "tiny:1", max_batch=2, progress=lambda _: None)
+
+
+def test_timed_verifies_feed_only_the_last_token_and_the_drafts(tiny_engine):
+    prompts = tune_k.calibration_prompts(tiny_engine.tokenizer, 2)
+    contexts = tune_k.timing_contexts(prompts, 2, 50)
+    assert [len(c) for c in contexts] == [50, 50] and contexts[0] != contexts[1]
+    runner = tiny_engine.scorer.runner
+    fed = []
+    feed = runner.feed
+
+    def recording_feed(*args, **kw):
+        out = feed(*args, **kw)
+        fed.append(out[1])
+        return out
+
+    runner.feed = recording_feed
+    try:
+        seconds = tune_k.time_verify(tiny_engine.scorer, tune_k.timing_rows(contexts, 2, 3), 3, 2, torch.Generator())
+    finally:
+        del runner.feed
+    assert len(seconds) == 2
+    assert fed[-2:] == [[4, 4], [4, 4]]  # the timed calls: last token + 3 drafts per row
+    point = tune_k.draft_point(tiny_engine.drafters["model"], contexts, 2, 1)
+    assert point.rows == 2 and point.per_forward_s > 0 and point.per_round_s >= 0
+
+
+def test_measured_speedup_runs_both_modes(tiny_engine):
+    prompts = tune_k.calibration_prompts(tiny_engine.tokenizer, 1)
+    measured = tune_k.measure_speedup(tiny_engine, prompts, 2, 1, 6, tqdm(disable=True))
+    assert measured.ar_tokens_per_s > 0 and measured.fly_tokens_per_s > 0
+    # a batch that ends in its first round: that round's rate (there is no other)
+    assert tune_k.decode_tokens_per_s(tiny_engine, prompts, dict(mode="ar", max_tokens=1)) > 0
+    assert not tiny_engine.has_work()
