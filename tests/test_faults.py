@@ -479,12 +479,14 @@ HUNG_ROUND_TIMEOUT_S = 8.0
 def test_hung_rank_times_out_and_the_group_is_rebuilt(url):
     from ray import serve
 
-    from deployments.app import tp_bundles
+    from deployments.placement import tp_bundles
     from deployments.target_replica import TargetDeployment, TPGroupBroken
     from fly_serve.contracts import Drafts, Row
 
     target = TargetDeployment.options(
-        name="HungTarget", placement_group_bundles=tp_bundles(2, 0.1, 0.2), placement_group_strategy="STRICT_PACK"
+        name="HungTarget",
+        placement_group_bundles=tp_bundles(2, {"num_cpus": 0.1}, 0.2),
+        placement_group_strategy="STRICT_PACK",
     )
     app = target.bind("tiny:0", "fp32", 2, 2, None, {"num_cpus": 0.1}, round_timeout_s=HUNG_ROUND_TIMEOUT_S)
     h = serve.run(app, name="hung", route_prefix=None)
