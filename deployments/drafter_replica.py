@@ -1,11 +1,12 @@
 """Draft-model deployment: a ModelDrafter (with MLA prompt lookups in-process) per replica,
 scaled independently of the target.
 
-Session affinity: the ingress calls each group of rows with multiplexed_model_id="g<n>", and
-Serve's multiplexing routes a model id to a replica that has already "loaded" it, so a sequence
-keeps meeting the replica that holds its KV cache. The "model" is only a group label (cheap);
-correctness never depends on the routing because rows carry all their tokens and a cold replica
-rebuilds the cache (counted as a miss).
+Session affinity and scaling (replica_pool.py): each round the ingress splits its rows into one
+group per live drafter replica and PinnedRouter sends group i to replica i, so every replica
+drafts its share concurrently and a sequence keeps meeting the replica that holds its KV cache.
+Correctness never depends on the routing: rows carry all their tokens and a cold replica
+rebuilds the cache (counted as a miss). The pool scales on the fraction of time each replica's
+model is busy (record_autoscaling_stats, BusyPolicy).
 
 Health: check_health() runs the model on one token; a replica whose calls hang (the lock is not
 free within the probe's timeout) or whose model fails is replaced by Serve. The ingress's engine
@@ -15,6 +16,7 @@ drafts by prompt lookup meanwhile (a drafter failure never fails a request).
 import asyncio
 import os
 import threading
+import time
 
 import torch
 from ray import serve
@@ -25,6 +27,7 @@ from fly_serve.drafters import ModelDrafter
 from fly_serve.loading import load_model, load_tokenizer, set_threads
 
 from .prometheus import inc
+from .replica_pool import BUSY, BusyPolicy, PinnedRouter
 
 PROBE_TIMEOUT_S = 20.0  # the lock free (no call stuck) and one token through the model
 # Serve's controller: a check every period; three failed checks in a row replace the replica.
@@ -36,7 +39,15 @@ HEALTH_CHECK_TIMEOUT_S = 30.0
     name="FlyDrafter",
     ray_actor_options={"num_cpus": 0.5},
     max_ongoing_requests=16,
-    autoscaling_config={"min_replicas": 1, "max_replicas": 1},
+    # Profiles raise max_replicas; the pool then scales on busy time (BusyPolicy), not requests.
+    autoscaling_config={
+        "min_replicas": 1,
+        "max_replicas": 1,
+        "policy": {"policy_function": BusyPolicy, "policy_kwargs": {"target": 0.6}},
+        "upscale_delay_s": 5.0,
+        "downscale_delay_s": 60.0,
+    },
+    request_router_config={"request_router_class": PinnedRouter},
     health_check_period_s=HEALTH_CHECK_PERIOD_S,
     health_check_timeout_s=HEALTH_CHECK_TIMEOUT_S,
     graceful_shutdown_timeout_s=30.0,  # a caller's drafting call in progress finishes first
@@ -49,32 +60,39 @@ class DrafterDeployment:
         n_slots: int = 8,
         threads: int | None = None,
         probe_timeout_s: float = PROBE_TIMEOUT_S,
+        kv_budget_tokens: int | None = None,
     ):
         set_threads(threads)
         self.probe_timeout_s = probe_timeout_s
         # its logits are cut to the tokenizer's tokens, as the target's (the ingress checks that
         # the two tokenizers agree)
         self.drafter = ModelDrafter(
-            load_model(drafter, precision), n_slots=n_slots, vocab_size=len(load_tokenizer(drafter))
+            load_model(drafter, precision),
+            n_slots=n_slots,
+            vocab_size=len(load_tokenizer(drafter)),
+            kv_budget_tokens=kv_budget_tokens,
         )
         # ModelDrafter is not thread-safe; Serve may run several calls of one replica at once.
         self.lock = threading.Lock()
         self.hits = metrics.Counter("fly_drafter_cache_hits", "Rows whose drafter KV cache was warm.")
         self.misses = metrics.Counter("fly_drafter_cache_misses", "Rows the drafter had to prefill.")
         self.hit_rate = metrics.Gauge("fly_drafter_cache_hit_rate", "hits / (hits + misses) since start.")
-
-    @serve.multiplexed(max_num_models_per_replica=64)
-    async def group(self, group_id: str) -> str:
-        return group_id  # only registers the id with this replica, for the router
+        self.rows = 0  # rows drafted since start
+        self.busy_s = 0.0  # seconds the model drafted since start
+        self._reported = (time.monotonic(), 0.0, 0)  # (when, busy_s, rows) at the last stats report
 
     async def propose(self, rows: list[Row]) -> Drafts:
-        await self.group(serve.get_multiplexed_model_id())
         return await asyncio.to_thread(self._propose, rows)
 
     def _propose(self, rows: list[Row]) -> Drafts:
         with self.lock:
             hits, misses = self.drafter.hits, self.drafter.misses
-            out = self.drafter.propose(rows)
+            t0 = time.monotonic()
+            try:
+                out = self.drafter.propose(rows)
+            finally:
+                self.busy_s += time.monotonic() - t0
+                self.rows += len(rows)
             inc(self.hits, self.drafter.hits - hits)
             inc(self.misses, self.drafter.misses - misses)
             self.hit_rate.set(self.cache_report()["hit_rate"])
@@ -90,7 +108,24 @@ class DrafterDeployment:
     def cache_report(self) -> dict:
         d = self.drafter
         seen = d.hits + d.misses
-        return {"hits": d.hits, "misses": d.misses, "hit_rate": d.hits / seen if seen else 0.0, "forwards": d.forwards}
+        return {
+            "hits": d.hits,
+            "misses": d.misses,
+            "hit_rate": d.hits / seen if seen else 0.0,
+            "forwards": d.forwards,
+            "rows": self.rows,
+            "busy_s": self.busy_s,
+        }
+
+    # ---- autoscaling: the signal the drafter really sees
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Busy fraction and rows drafted per second since the last report (Serve asks about
+        every few seconds; BusyPolicy sums the busy fractions over the pool)."""
+        now, busy_s, rows = time.monotonic(), self.busy_s, self.rows
+        then, busy_then, rows_then = self._reported
+        self._reported = (now, busy_s, rows)
+        dt = max(now - then, 1e-6)
+        return {BUSY: min(1.0, (busy_s - busy_then) / dt), "draft_rows_per_s": (rows - rows_then) / dt}
 
     # ---- health
     async def check_health(self) -> None:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from starlette.requests import ClientDisconnect
@@ -38,13 +39,24 @@ from fly_serve.prompts import chat_text, encode
 from fly_serve.weights import check_same_tokenizer
 
 from .engine_loop import EngineLoop, Update
-from .openai_api import BodyError, ChatRequest, CompletionRequest, Shape, error_body, new_id, parse_body
+from .openai_api import (
+    BodyError,
+    ChatRequest,
+    CompletionRequest,
+    Shape,
+    add_request_bodies,
+    error_body,
+    new_id,
+    parse_body,
+)
 from .prometheus import ServingMetrics
 from .remote_parts import DEFAULT_TIMEOUT_S, RemoteDrafter, RemoteLookup, RemoteScorer, wait
+from .replica_pool import LiveReplicas, group_tag, unit_rank
 
 log = logging.getLogger("ray.serve")  # the replica's log, where an operator looks up a request id
 
 api = FastAPI(title="fly-serve")
+REQUEST_BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatRequest}
 
 API_KEY_ENV = "FLY_API_KEY"
 MIB = 2**20
@@ -57,6 +69,9 @@ READY_WAIT_S = 5.0  # a request arriving while the model deployments start waits
 PROBE_TIMEOUT_S = 30.0  # one readiness call to a model deployment (it may still be loading)
 PROBE_RETRY_S = 1.0
 RETRY_AFTER_S = 1  # what a 503 asks the client to wait
+# Requests a replica takes beyond those in flight in the engine: the ones answered at once (a 503,
+# a 4xx, /healthz, stats), so that Serve passes them on instead of queueing or shedding them.
+ANSWERED_AT_ONCE = 32
 CLIENT_CLOSED = 499  # the status of a request whose client left while its body was read (nginx's; nobody reads it)
 DRAIN_POLL_S = 0.1
 STOP_WAIT_S = 5.0  # at shutdown, for the engine thread to end what is left
@@ -65,6 +80,28 @@ STOP_WAIT_S = 5.0  # at shutdown, for the engine thread to end what is left
 # characters (NFC turns up to 3 into 1), so the check never rejects a prompt that would fit.
 NORMALIZE_MARGIN = 4
 _NOT_ID = re.compile(r"[^A-Za-z0-9._:-]")  # a client may choose Serve's request id: keep it to a token
+
+
+def openapi_schema() -> dict:
+    """FastAPI's document of the routes, with the request bodies that the handlers parse
+    themselves (after the key and size checks) declared too."""
+    if api.openapi_schema is None:
+        doc = get_openapi(title=api.title, version=api.version, routes=api.routes)
+        add_request_bodies(doc, REQUEST_BODIES)
+        api.openapi_schema = doc
+    return api.openapi_schema
+
+
+api.openapi = openapi_schema
+
+
+def serve_limits(max_batch: int, max_waiting: int) -> dict:
+    """The ingress deployment's Serve options for a profile. Serve's own shedding answers a
+    plain-text 503; ours answers the OpenAI error body with Retry-After. So Serve never sheds
+    (no queue limit: a queued request is a connection the client holds, and it reaches the
+    handler, and its 503, within milliseconds), and a replica takes every request ours may admit
+    plus room for those it answers at once."""
+    return {"max_ongoing_requests": max_batch + max_waiting + ANSWERED_AT_ONCE, "max_queued_requests": -1}
 
 
 class ApiError(Exception):
@@ -206,8 +243,7 @@ class Slots:
 @serve.deployment(
     name="FlyIngress",
     ray_actor_options={"num_cpus": 0.2},
-    max_ongoing_requests=64,
-    max_queued_requests=64,
+    **serve_limits(8, DEFAULT_MAX_WAITING),  # the builder sets them from the profile
     graceful_shutdown_timeout_s=GRACEFUL_SHUTDOWN_S,
 )
 @serve.ingress(api)
@@ -224,7 +260,7 @@ class Ingress:
         max_batch: int = 8,
         max_model_len: int = 4096,
         defaults: dict | None = None,
-        affinity_groups: int = 1,
+        affinity_groups: int = 8,
         speculation_profile: dict | None = None,
         max_waiting: int = DEFAULT_MAX_WAITING,
         remote_timeout_s: float = DEFAULT_TIMEOUT_S,
@@ -242,7 +278,14 @@ class Ingress:
         self.max_prompt_chars = NORMALIZE_MARGIN * max_token_chars(self.text_tokenizer) * self.max_model_len
         self.max_body_bytes, self.remote_timeout_s = max_body_bytes, remote_timeout_s
         self.api_key = resolve_api_key(api_key)  # never logged
-        drafter_part = RemoteDrafter(drafter_handle, affinity_groups, remote_timeout_s) if drafter_handle else None
+        # One drafting call per live drafter replica each round (replica_pool.py); this unit's
+        # target calls are tagged with its rank, so each ingress replica keeps its own target.
+        ctx = serve.get_replica_context()
+        live = LiveReplicas(ctx.app_name, "FlyDrafter")
+        drafter_part = (
+            RemoteDrafter(drafter_handle, affinity_groups, remote_timeout_s, live) if drafter_handle else None
+        )
+        target_handle = target_handle.options(multiplexed_model_id=group_tag(unit_rank(ctx)))
         self.drafter_handle = drafter_handle
         scorer = RemoteScorer(target_handle, len(self.tokenizer), remote_timeout_s)
         engine = Engine(

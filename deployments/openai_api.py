@@ -14,6 +14,7 @@ import typing
 import uuid
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
+from pydantic.json_schema import models_json_schema
 
 from fly_serve.params import ParamError, knobs
 
@@ -104,6 +105,22 @@ def parse_body(raw: bytes, model: type[BaseModel]) -> BaseModel:
         first = e.errors(include_url=False, include_input=False)[0]
         param = ".".join(str(p) for p in first.get("loc", ())) or None
         raise BodyError(f"{param or 'body'}: {first.get('msg')}", param) from None
+
+
+def add_request_bodies(doc: dict, bodies: dict[str, type[BaseModel]]) -> None:
+    """Declares, in an OpenAPI document, the JSON body of each POST path as its request model
+    (the handlers parse bodies themselves, so FastAPI cannot see them): clients, generators and
+    fuzzers then know what to send."""
+    refs, defs = models_json_schema(
+        [(m, "validation") for m in bodies.values()], ref_template="#/components/schemas/{model}"
+    )
+    doc.setdefault("components", {}).setdefault("schemas", {}).update(defs.get("$defs", {}))
+    for path, model in bodies.items():
+        schema = refs[(model, "validation")]
+        doc["paths"][path]["post"]["requestBody"] = {
+            "required": True,
+            "content": {"application/json": {"schema": schema}},
+        }
 
 
 MESSAGE_CHARS = 500  # an error message longer than this is cut: it is for a person to read

@@ -12,9 +12,10 @@ replica is gone anyway, and a live replica's LRU reclaims what a lost release le
 
 import logging
 import time
-import zlib
 
 from fly_serve.contracts import Drafts, Row, Verdict
+
+from .replica_pool import group_tag, split
 
 log = logging.getLogger("fly_serve.remote_parts")
 
@@ -71,30 +72,26 @@ class RemoteScorer:
         release_all([self.handle.release.remote(keys)], min(self.timeout_s, RELEASE_TIMEOUT_S), "target")
 
 
-def group_of(key: str, n_groups: int) -> int:
-    """Stable across processes and restarts (unlike hash(), which is salted per process)."""
-    return zlib.crc32(key.encode()) % n_groups
-
-
 class RemoteDrafter:
-    """Splits a round's rows into affinity groups; each group is one call tagged with
-    multiplexed_model_id "g<n>", so Serve sends it to the replica that served the group before
-    (and holds those rows' KV caches). The group calls run concurrently, under one deadline."""
+    """Splits a round's rows into one group per live drafter replica (at most `max_groups`);
+    each group is one call, tagged "g<i>" so that replica_pool.PinnedRouter sends it to the
+    replica that drafted those rows before (and holds their KV caches). The group calls run
+    concurrently, under one deadline: a round's drafting takes as long as its largest group.
 
-    def __init__(self, handle, n_groups: int = 1, timeout_s: float = DEFAULT_TIMEOUT_S):
-        self.handle, self.n_groups, self.timeout_s = handle, n_groups, timeout_s
+    `live` returns the number of live replicas (replica_pool.LiveReplicas); without it, one group."""
 
-    def _split(self, keys: list[str]) -> dict[int, list[int]]:
-        groups: dict[int, list[int]] = {}
-        for i, key in enumerate(keys):
-            groups.setdefault(group_of(key, self.n_groups), []).append(i)
-        return groups
+    def __init__(self, handle, max_groups: int = 1, timeout_s: float = DEFAULT_TIMEOUT_S, live=None):
+        self.handle, self.max_groups, self.timeout_s = handle, max_groups, timeout_s
+        self.live = live or (lambda: 1)
+
+    def _groups(self) -> int:
+        return max(1, min(self.max_groups, self.live()))
 
     def _for(self, group: int):
-        return self.handle.options(multiplexed_model_id=f"g{group}")
+        return self.handle.options(multiplexed_model_id=group_tag(group))
 
     def propose(self, rows: list[Row]) -> Drafts:
-        groups = self._split([r.key for r in rows])
+        groups = split([r.key for r in rows], self._groups())
         calls = {g: self._for(g).propose.remote([rows[i] for i in idx]) for g, idx in groups.items()}
         deadline = time.monotonic() + self.timeout_s
         out = Drafts.empty(len(rows))
@@ -106,7 +103,9 @@ class RemoteDrafter:
         return out
 
     def release(self, keys: list[str]) -> None:
-        groups = self._split(keys)
+        # The pool may have changed since the rows were drafted: a release that misses leaves
+        # the slot to the replica's LRU.
+        groups = split(keys, self._groups())
         calls = [self._for(g).release.remote([keys[i] for i in idx]) for g, idx in groups.items()]
         release_all(calls, min(self.timeout_s, RELEASE_TIMEOUT_S), "drafter")
 

@@ -33,6 +33,8 @@ from fly_serve.contracts import Drafts, Row, Verdict
 from fly_serve.loading import load_model, load_tokenizer, set_threads
 from fly_serve.model_scorer import ModelScorer
 
+from .replica_pool import PinnedRouter
+
 log = logging.getLogger("ray.serve")
 
 ROUND_TIMEOUT_S = 60.0  # one verify or release on every rank
@@ -58,11 +60,18 @@ def build_scorer(
     port: int = 0,
     threads: int | None = None,
     group_timeout_s: float = STARTUP_TIMEOUT_S,
+    kv_budget_tokens: int | None = None,
 ) -> ModelScorer:
+    """One rank's scorer. kv_budget_tokens is a token count, the same on every rank, so that the
+    ranks take the same block decisions (a byte budget from each rank's free memory could differ)."""
     set_threads(threads)
     group = tp.init_group(rank, world, addr, port, timeout_s=group_timeout_s) if world > 1 else None
     return ModelScorer(
-        load_model(name, dtype, rank, world), n_slots=n_slots, tp_group=group, vocab_size=len(load_tokenizer(name))
+        load_model(name, dtype, rank, world),
+        n_slots=n_slots,
+        tp_group=group,
+        vocab_size=len(load_tokenizer(name)),
+        kv_budget_tokens=kv_budget_tokens,
     )
 
 
@@ -86,6 +95,9 @@ class TPWorker:
     def kv_capacity(self) -> int:
         return self.scorer.kv_capacity_tokens
 
+    # On the health thread: a ping must not queue behind a verify (a long prefill on CPU took past
+    # the ping timeout, and the group was rebuilt again and again under load).
+    @ray.method(concurrency_group="health")
     def ping(self) -> bool:
         return True
 
@@ -101,7 +113,14 @@ def free_port(addr: str) -> int:
 
 
 def start_workers(
-    name: str, dtype: str, n_slots: int, tp_size: int, threads: int | None, worker_options: dict, group_timeout_s: float
+    name: str,
+    dtype: str,
+    n_slots: int,
+    tp_size: int,
+    threads: int | None,
+    worker_options: dict,
+    group_timeout_s: float,
+    kv_budget_tokens: int | None = None,
 ) -> list:
     """tp_size actors, rank r in bundle r of this replica's placement group, on a fresh port."""
     pg = get_current_placement_group()
@@ -112,7 +131,7 @@ def start_workers(
         strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank) if pg else None
         workers.append(
             TPWorker.options(scheduling_strategy=strategy, **worker_options).remote(
-                name, dtype, n_slots, rank, tp_size, addr, port, threads, group_timeout_s
+                name, dtype, n_slots, rank, tp_size, addr, port, threads, group_timeout_s, kv_budget_tokens
             )
         )
     return workers
@@ -135,6 +154,8 @@ def kill_all(workers: list) -> None:
     health_check_timeout_s=HEALTH_CHECK_TIMEOUT_S,
     # a caller's round in progress finishes before the replica goes
     graceful_shutdown_timeout_s=ROUND_TIMEOUT_S,
+    # a unit's calls (tagged with its ingress replica's rank) go to its own target replica
+    request_router_config={"request_router_class": PinnedRouter},
 )
 class TargetDeployment:
     def __init__(
@@ -148,17 +169,20 @@ class TargetDeployment:
         round_timeout_s: float = ROUND_TIMEOUT_S,
         startup_timeout_s: float = STARTUP_TIMEOUT_S,
         ping_timeout_s: float = PING_TIMEOUT_S,
+        kv_budget_tokens: int | None = None,
     ):
         self.round_timeout_s, self.ping_timeout_s = round_timeout_s, ping_timeout_s
         self.lock = threading.Lock()  # one round at a time: the KV cache is not thread-safe
         self.broken: str | None = None  # why the TP group is unusable
         self.round_started: float | None = None  # monotonic start of the call holding the lock
         self.local, self.workers = None, []
+        self.rows_verified = 0  # rows verified since start (which unit talks to this replica)
         if tp_size == 1:
-            self.local = build_scorer(target, dtype, n_slots, threads=threads)
+            self.local = build_scorer(target, dtype, n_slots, threads=threads, kv_budget_tokens=kv_budget_tokens)
             return
+        options = worker_options or {"num_cpus": 0.1}
         self.workers = start_workers(
-            target, dtype, n_slots, tp_size, threads, worker_options or {"num_cpus": 0.1}, startup_timeout_s
+            target, dtype, n_slots, tp_size, threads, options, startup_timeout_s, kv_budget_tokens
         )
         try:  # every rank up (a no-op call queues behind its constructor)
             ray.get([w.release.remote([]) for w in self.workers], timeout=startup_timeout_s)
@@ -174,6 +198,7 @@ class TargetDeployment:
         return await asyncio.to_thread(self._verify, rows, drafts)
 
     def _verify(self, rows: list[Row], drafts: Drafts) -> Verdict:
+        self.rows_verified += len(rows)
         with self._round():
             if self.local is not None:
                 return self.local.verify(rows, drafts)
@@ -258,11 +283,21 @@ class TargetDeployment:
             return self.local.kv_capacity_tokens
         return ray.get(self.workers[0].kv_capacity.remote(), timeout=self.ping_timeout_s)
 
+    async def rank_kv_capacities(self) -> list[int]:
+        """The KV cache size of every rank (they must agree)."""
+        if not self.workers:
+            return [self.local.kv_capacity_tokens]
+        refs = [w.kv_capacity.remote() for w in self.workers]
+        return await asyncio.to_thread(ray.get, refs, timeout=self.ping_timeout_s)
+
     def tp_size(self) -> int:
         return max(1, len(self.workers))
 
     def pid(self) -> int:
         return os.getpid()
+
+    def stats(self) -> dict:
+        return {"rows": self.rows_verified, "pid": os.getpid()}
 
     async def rank_pids(self) -> list[int]:
         """The process of each rank (this replica's own for tp_size=1)."""

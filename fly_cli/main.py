@@ -9,6 +9,7 @@ import time
 import typing
 from dataclasses import MISSING
 
+from fly_bench import run as bench
 from fly_cli import tune_k
 from fly_serve.loading import DTYPES, PRECISIONS
 from fly_serve.params import ParamError, Params, knobs
@@ -112,13 +113,16 @@ def main(argv=None) -> None:
     add_pair(g)
     sub.add_parser("serve", help="start the Ray Serve application (flags: fly-serve serve --help)", add_help=False)
     tune_k.add_args(sub.add_parser("tune-k", help="measure cost curves and acceptance; print the best k per batch"))
+    bench.add_args(sub.add_parser("bench", help="speed and accuracy of every method and the peers on datasets"))
     args, rest = parser.parse_known_args(argv)
-    if args.command in ("generate", "tune-k") and rest:
+    if args.command in ("generate", "tune-k", "bench") and rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "generate":
         generate(args)
     elif args.command == "tune-k":
         tune_k.run(args)
+    elif args.command == "bench":
+        bench.run(args)
     else:
         from deployments.launch import main as serve
 

@@ -23,6 +23,9 @@ class Row:
     seed: int | None = None
     entropy: str | None = None  # the gate's entropy for this row; None: the row decides strictly
     min_confidence: float = 0.0  # a model drafter stops the row once its own probability falls below
+    # MLA: the proposal sources a model drafter tries, in order, at each of its forwards (the first
+    # that proposes anything wins; params.MLA_SOURCES); a drafter without a source skips it.
+    mla_sources: tuple[str, ...] = ("pld",)
 
     @property
     def sampled(self) -> bool:
@@ -51,12 +54,23 @@ class Verdict:
     y [B, K+1]: the target's token at each position (recovered at a rejection, bonus at K).
     h: the gate's entropy at each position (None when no row defers).
     support: the target's processed distribution gives the draft token p > 0 (a token outside
-    the nucleus is never loosely accepted)."""
+    the nucleus is never loosely accepted).
+    topk [B, K+1, n]: the ids of the target's n likeliest tokens (greedy logits, best first) at
+    each position, valid up to each row's draft count; Token Recycling learns from them (None: the
+    scorer does not report them)."""
 
     ok: torch.Tensor
     y: torch.Tensor
     h: torch.Tensor | None
     support: torch.Tensor
+    topk: torch.Tensor | None = None
+
+
+class DraftSource(Protocol):
+    """A model-free proposer: up to k tokens continuing `tokens` ([] when it has nothing). Used
+    alone (drafters.SourceDrafter) and as an MLA level inside the model drafter."""
+
+    def propose(self, tokens: list[int], k: int) -> list[int]: ...
 
 
 class Drafter(Protocol):

@@ -1,30 +1,56 @@
 """Drafters (contracts.Drafter): each proposes up to row.k tokens per row and, for sampling rows,
 the distribution q each token was drawn from.
 
-LookupDrafter  prompt lookup alone (no model).
+SourceDrafter  a model-free source (contracts.DraftSource) alone: its proposals are deterministic,
+  so q is one-hot (None) and speculative sampling stays exact at any temperature.
+  Sources: PromptLookup (the row's own tokens), suffix_index.SuffixIndex (earlier requests of the
+  engine), token_recycling.TokenRecycling (the target's own earlier top-k).
+LookupDrafter  SourceDrafter over prompt lookup (the `pld` mode).
 ModelDrafter  a small model with its own KV cache. With MLA (multi-level acceleration) each
-  drafter forward also checks a prompt-lookup proposal, exactly as the target checks drafts,
-  so one forward can advance several tokens; without a match it advances one.
+  drafter forward also checks a proposal of a model-free source, exactly as the target checks
+  drafts, so one forward can advance several tokens; without one it advances one. The row names
+  the sources (Row.mla_sources) in order and the first that proposes anything is used: one
+  proposal per forward keeps the forward's width (its cost) at most k, and the order puts the
+  likeliest-right source first (the row's own text, then earlier requests, then the recycled
+  top-1 chain, which nearly always proposes something). The drafter verifies whichever it uses,
+  so its output distribution, and the target's output, never depend on the source.
 """
 
 import torch
 
 from . import prompt_lookup
-from .contracts import Drafts, Row
+from .contracts import Drafts, DraftSource, Row
 from .runner import Runner
 from .sampling import Generators, probs, speculative_row
 from .verify import decide, greedy_check, padded
 
 
-class LookupDrafter:
+class PromptLookup:
+    """Prompt lookup as a DraftSource."""
+
     def __init__(self, max_n: int = 4, min_n: int = 1):
         self.max_n, self.min_n = max_n, min_n
 
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        return prompt_lookup.propose(tokens, k, self.max_n, self.min_n)
+
+
+class SourceDrafter:
+    """A model-free source as a Drafter: up to row.k tokens per row, q one-hot (None)."""
+
+    def __init__(self, source: DraftSource):
+        self.source = source
+
     def propose(self, rows: list[Row]) -> Drafts:
-        return Drafts([prompt_lookup.propose(r.tokens, r.k, self.max_n, self.min_n) for r in rows], [None] * len(rows))
+        return Drafts([self.source.propose(r.tokens, r.k) for r in rows], [None] * len(rows))
 
     def release(self, keys: list[str]) -> None:
-        pass  # no per-sequence state
+        pass  # no per-sequence state (a shared source learns from finished requests, not rows)
+
+
+class LookupDrafter(SourceDrafter):
+    def __init__(self, max_n: int = 4, min_n: int = 1):
+        super().__init__(PromptLookup(max_n, min_n))
 
 
 class ModelDrafter:
@@ -40,7 +66,9 @@ class ModelDrafter:
     ):
         self.runner = Runner(model, n_slots=n_slots, budget_tokens=kv_budget_tokens)
         self.kv_capacity_tokens = self.runner.cache.capacity_tokens
-        self.max_n, self.min_n = max_n, min_n
+        # MLA levels by name (params.MLA_SOURCES); the engine shares its suffix index and token
+        # recycler here (share_sources), so a standalone drafter has prompt lookup only.
+        self.sources: dict[str, DraftSource] = {"pld": PromptLookup(max_n, min_n)}
         # A greedy row stops drafting once the drafter's own probability of its token falls
         # below this: the tokens after it would mostly be thrown away (0: always draft k).
         self.min_confidence = min_confidence
@@ -51,6 +79,10 @@ class ModelDrafter:
         self.forwards = 0  # drafter forwards, all rows together, since start
         self.hits = 0  # rows whose KV cache this drafter already held (session affinity)
         self.misses = 0
+
+    def share_sources(self, sources: dict[str, DraftSource]) -> None:
+        """Add (or replace) MLA sources by name, e.g. the engine's suffix index and recycler."""
+        self.sources.update(sources)
 
     def propose(self, rows: list[Row]) -> Drafts:
         cache = self.runner.cache
@@ -77,10 +109,7 @@ class ModelDrafter:
         keeps the proposal's verified prefix and the drafter's next token (extends drafts, qs).
         Returns the rows whose new token fell below min_confidence."""
         contexts = [r.tokens + d for r, d in zip(rows, drafts)]
-        proposals = [
-            prompt_lookup.propose(c, r.k - len(d) - 1, self.max_n, self.min_n) if r.mla else []
-            for c, r, d in zip(contexts, rows, drafts)
-        ]
+        proposals = [self._mla_proposal(r, c, r.k - len(d) - 1) for c, r, d in zip(contexts, rows, drafts)]
         logits, _ = self.runner.feed(
             [r.key for r in rows], [c + p for c, p in zip(contexts, proposals)], tail=[1 + len(p) for p in proposals]
         )
@@ -107,6 +136,17 @@ class ModelDrafter:
             if r.sampled:
                 qs[b].extend(probs(logits[b, : min(a + 1, room)].cpu(), r.temperature, r.top_p))
         return unsure
+
+    def _mla_proposal(self, row: Row, context: list[int], room: int) -> list[int]:
+        """Up to `room` tokens from the row's first MLA source that proposes any (module docstring)."""
+        if not row.mla or room <= 0:
+            return []
+        for name in row.mla_sources:
+            source = self.sources.get(name)
+            got = source.propose(context, room) if source is not None else []
+            if got:
+                return got[:room]
+        return []
 
     def release(self, keys: list[str]) -> None:
         self.runner.release(keys)

@@ -2,8 +2,15 @@
 
 Requests join (add) and leave (finish, abort) between rounds. Every mode is the same round
 (params.MODES): `ar` drafts nothing (the target forward then decodes one token), `pld` drafts by
-prompt lookup, `spd` and `fly` with the draft model; `fly` decides with the gate and window, the
-others strictly. So a batch may mix modes and knobs freely.
+prompt lookup, `suffix` from the suffix index, `recycle` by Token Recycling, `spd` and `fly` with
+the draft model; `fly` decides with the gate and window, the others strictly. So a batch may mix
+modes and knobs freely.
+
+Two draft sources learn from the engine's own traffic and are shared by all its sequences (and
+by the model drafter as MLA levels): the suffix index stores every request that finishes (prompt
+and output as one sequence, so a request like an earlier one is continued from its first token),
+within a token bound that evicts the oldest; the token recycler takes the target's top-k ids at
+every verified position of every round (Verdict.topk), whatever the rows' modes.
 """
 
 import itertools
@@ -15,13 +22,18 @@ import torch
 
 from . import prompts
 from .contracts import Drafter, Drafts, RoundResult, Row, Scorer
-from .drafters import LookupDrafter
+from .drafters import LookupDrafter, ModelDrafter, SourceDrafter
 from .params import ParamError, Params
 from .request_stats import RequestStats
-from .speculation_policy import MODEL, NONE, PLD, RowInfo, SpeculationPolicy
+from .speculation_policy import MODEL, NONE, PLD, RECYCLE, SUFFIX, RowInfo, SpeculationPolicy
+from .suffix_index import SuffixIndex
+from .token_recycling import TokenRecycling
 from .verify import decide, window_positions
 
 log = logging.getLogger("fly_serve.engine")
+
+# The speculation policy's cost kind of each drafter key (params.Mode.drafter).
+POLICY_KINDS = {"model": MODEL, "lookup": PLD, "suffix": SUFFIX, "recycle": RECYCLE, None: NONE}
 
 
 def kv_need(n_prompt: int, params: Params) -> int:
@@ -76,9 +88,23 @@ class Engine:
         max_model_len: int = 4096,
         defaults: Params | None = None,
         speculation_profile: dict | None = None,
+        suffix_max_tokens: int = 1_000_000,
+        recycle_top_k: int = 8,
     ):
         self.scorer, self.tokenizer = scorer, tokenizer
-        self.drafters: dict[str, Drafter | None] = {"lookup": LookupDrafter(), "model": drafter}
+        # Learned from this engine's traffic, shared by all sequences (module docstring). The
+        # index's arrays (~30 B a token slot at the default bound) and the recycler's table
+        # (vocab x top_k int32) are allocated on first use.
+        self.suffix_index = SuffixIndex(max_tokens=suffix_max_tokens)
+        self.recycler = TokenRecycling(scorer.vocab_size, top_k=recycle_top_k)
+        self.drafters: dict[str, Drafter | None] = {
+            "lookup": LookupDrafter(),
+            "suffix": SourceDrafter(self.suffix_index),
+            "recycle": SourceDrafter(self.recycler),
+            "model": drafter,
+        }
+        if isinstance(drafter, ModelDrafter):  # a remote drafter has only its own prompt lookup
+            drafter.share_sources({"suffix": self.suffix_index, "recycle": self.recycler})
         self.eos_ids = set(eos_ids)
         self.max_batch, self.max_model_len = max_batch, max_model_len
         self.defaults = defaults or Params()
@@ -222,6 +248,7 @@ class Engine:
         t2 = time.perf_counter()
         accept_len, loosely = self._decide(batch, drafts, verdict)
         t3 = time.perf_counter()
+        self._recycle(rows, drafts, verdict)
 
         result = RoundResult(list(batch), sum(1 for d in drafts.tokens if d), t1 - t0, t2 - t1, t3 - t2)
         result.drafter_fallback = fallback
@@ -249,9 +276,8 @@ class Engine:
         tokens against the round's predicted seconds; fixed-k rows share the round as they are."""
         if not any(r.params.auto_k for r in batch):
             return
-        kinds = {"model": MODEL, "lookup": PLD, None: NONE}
         infos = [
-            RowInfo(row.key, row.k, kinds[req.params.mode_spec.drafter], fixed=not req.params.auto_k)
+            RowInfo(row.key, row.k, POLICY_KINDS[req.params.mode_spec.drafter], fixed=not req.params.auto_k)
             for req, row in zip(batch, rows)
         ]
         ks = self.policy.choose(infos)
@@ -266,7 +292,7 @@ class Engine:
         room = min(p.max_tokens - len(req.generated), self.max_model_len - len(req.tokens)) - 1
         k = 0 if p.mode_spec.drafter is None else max(0, min(p.k_cap, room))
         entropy = p.entropy if p.mode_spec.loose and p.theta < 1 else None
-        return Row(req.id, req.tokens, k, p.mla, p.temperature, p.top_p, p.seed, entropy)
+        return Row(req.id, req.tokens, k, p.mla, p.temperature, p.top_p, p.seed, entropy, mla_sources=p.mla_levels)
 
     def _draft(self, batch: list[Request], rows: list[Row]) -> tuple[Drafts, bool]:
         """Drafts for every row, and whether the model drafter failed this round. Its rows then
@@ -280,7 +306,7 @@ class Engine:
             try:
                 got = drafter.propose([rows[b] for b in idx])
             except Exception:
-                if kind == "lookup":
+                if kind != "model":  # the model-free sources run here: their failure is a bug
                     raise
                 log.warning("drafter failed; prompt lookup drafts this round", exc_info=True)
                 fallback = True
@@ -288,6 +314,18 @@ class Engine:
             for i, b in enumerate(idx):
                 drafts.tokens[b], drafts.q[b] = got.tokens[i], got.q[i]
         return drafts, fallback
+
+    def _recycle(self, rows: list[Row], drafts: Drafts, verdict) -> None:
+        """Feed the target's top-k at every position it verified, [last token, d_1..d_n] per row,
+        to the token recycler (rejected drafts too: what follows a token is learned whatever
+        the context, Token Recycling's "trash")."""
+        if verdict.topk is None:
+            return
+        fed, ids = [], []
+        for b, (row, d) in enumerate(zip(rows, drafts.tokens)):
+            fed += [row.tokens[-1], *d]
+            ids.append(verdict.topk[b, : len(d) + 1])
+        self.recycler.observe(fed, torch.cat(ids))
 
     def _decide(self, batch: list[Request], drafts: Drafts, verdict):
         n = torch.tensor([len(d) for d in drafts.tokens])
@@ -314,10 +352,14 @@ class Engine:
         return len(new)
 
     def _retire(self):
-        done = [r.id for r in self.running if r.finished]
-        if not done:
+        finished = [r for r in self.running if r.finished]
+        if not finished:
             return
+        done = [r.id for r in finished]
         self.running = [r for r in self.running if not r.finished]
+        for req in finished:
+            if req.finish_reason != "error":  # an aborted output is still the target's text
+                self.suffix_index.add(req.tokens)
         self.policy.release(done)
         for part in (self.scorer, *self.drafters.values()):
             if part is None:

@@ -2,9 +2,11 @@
 
 A name is "tiny:N" (a tiny random model, tiny.py), an embedded default model, a local
 directory or a hub id (weights.resolve). Precision: "bf16", "fp32", or "int8" (torch dynamic
-quantization with per-channel weights, CPU only: a drafter's precision). A tensor-parallel rank
-reads only its shard's slices from the safetensors files (sharded_load.py), so a rank's host
-memory is about 1/TP of the weights.
+quantization with per-channel weights, CPU only: a drafter's precision), quantized once and kept
+in the cache (weights.converted_path), so a start loads it instead of quantizing again. A drafter
+may also cut its lm_head to the ids below `head_cut` (head_cut.py). A tensor-parallel rank reads
+only its shard's slices from the safetensors files (sharded_load.py), so a rank's host memory is
+about 1/TP of the weights.
 """
 
 import re
@@ -14,9 +16,10 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from . import tp
+from .head_cut import cut_head
 from .sharded_load import load_shard
 from .tiny import tiny_model, tiny_tokenizer
-from .weights import resolve
+from .weights import converted_path, load_converted, resolve
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 PRECISIONS = ("bf16", "fp32", "int8")
@@ -50,28 +53,54 @@ def quantize_int8(model):
     return quantize_dynamic(model.float(), {torch.nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8)
 
 
-def load_model(name: str, precision: str = "bf16", rank: int = 0, world: int = 1, progress=print):
+def load_model(
+    name: str, precision: str = "bf16", rank: int = 0, world: int = 1, progress=print, head_cut: int | None = None
+):
     """The model `name` at `precision` (tiny models are always fp32), this rank's shard of
-    `world`, on this process's device, in eval mode."""
+    `world`, on this process's device, in eval mode. head_cut: keep only the lm_head rows of ids
+    below it and of the tokenizer's added tokens (a drafter's option, head_cut.py)."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision: must be one of {', '.join(PRECISIONS)} (got {precision!r})")
     if precision == "int8" and (world > 1 or torch.cuda.is_available()):
         raise ValueError("precision: int8 (torch dynamic quantization) runs on one CPU process only; use bf16 on GPUs")
+    if head_cut is not None and (world > 1 or not isinstance(head_cut, int) or head_cut < 1):
+        raise ValueError(f"head_cut: a positive int, for a single-process drafter (got {head_cut!r}, world {world})")
     seed = tiny_seed(name)
     if seed is None and world > 1:  # only this rank's slices are ever read (sharded_load.py)
         device = "cuda" if torch.cuda.is_available() else "cpu"
         return load_shard(resolve(name, progress), DTYPES[precision], rank, world, device)
     if seed is not None:
-        model = tiny_model(seed)
+        model = _cut(tiny_model(seed), name, head_cut, progress)
+    elif precision == "int8":
+        return _int8(name, head_cut, progress)
     else:
-        dtype = torch.float32 if precision == "int8" else DTYPES[precision]
-        model = AutoModelForCausalLM.from_pretrained(resolve(name, progress), dtype=dtype)
-        model = model.eval().requires_grad_(False)
-    if precision == "int8" and seed is None:
-        return quantize_int8(model)
+        model = _cut(_pretrained(name, DTYPES[precision], progress), name, head_cut, progress)
     if world > 1:
         tp.shard(model, rank, world)
     return on_device(model)
+
+
+def _int8(name: str, head_cut: int | None, progress):
+    """The int8 drafter, quantized once into the cache (weights.load_converted) when it has local weights."""
+
+    def build():
+        return quantize_int8(_cut(_pretrained(name, torch.float32, progress), name, head_cut, progress))
+
+    path = converted_path(name, "int8" if head_cut is None else f"int8-head{head_cut}")
+    return build() if path is None else load_converted(path, build, progress)
+
+
+def _pretrained(name: str, dtype: torch.dtype, progress):
+    model = AutoModelForCausalLM.from_pretrained(resolve(name, progress), dtype=dtype)
+    return model.eval().requires_grad_(False)
+
+
+def _cut(model, name: str, head_cut: int | None, progress):
+    """The model with its lm_head cut below head_cut, the tokenizer's added tokens kept."""
+    if head_cut is None:
+        return model
+    added = load_tokenizer(name, progress).added_tokens_decoder
+    return cut_head(model, head_cut, always=sorted(added))
 
 
 def load_tokenizer(name: str, progress=print):

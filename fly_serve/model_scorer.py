@@ -11,7 +11,13 @@ from .verify import entropy, greedy_check, padded
 
 class ModelScorer:
     def __init__(
-        self, model, n_slots: int = 8, tp_group=None, vocab_size: int | None = None, kv_budget_tokens: int | None = None
+        self,
+        model,
+        n_slots: int = 8,
+        tp_group=None,
+        vocab_size: int | None = None,
+        kv_budget_tokens: int | None = None,
+        topk: int = 8,
     ):
         self.runner = Runner(model, n_slots=n_slots, tp_group=tp_group, budget_tokens=kv_budget_tokens)
         self.kv_capacity_tokens = self.runner.cache.capacity_tokens  # the engine admits within it
@@ -19,6 +25,10 @@ class ModelScorer:
         # cut, so target and drafter distributions always have the same width.
         self.vocab_size = vocab_size or model.config.vocab_size
         self.generators = Generators(salt=2)
+        # The target's likeliest tokens at every verified position go back in the Verdict for Token
+        # Recycling: ids only, [B, K+1, topk] (0: not reported). A topk over the logits already
+        # computed costs far less than the forward, and the batch's ids are a few KB.
+        self.topk = topk
 
     def verify(self, rows: list[Row], drafts: Drafts) -> Verdict:
         keys = [r.key for r in rows]
@@ -41,7 +51,8 @@ class ModelScorer:
                 support[b, : int(n[b])] = p[torch.arange(int(n[b])), drafted[b, : int(n[b])]] > 0
                 if r.entropy:
                     h[b, : int(n[b])] = entropy(p[:-1], r.entropy)
-        return Verdict(ok, y, h, support)
+        top = logits.topk(min(self.topk, logits.shape[-1]), dim=-1).indices.cpu() if self.topk > 0 else None
+        return Verdict(ok, y, h, support, top)
 
     def release(self, keys: list[str]) -> None:
         self.runner.release(keys)

@@ -10,6 +10,9 @@ from dataclasses import dataclass, field, fields
 ENTROPIES = ("topk", "full")  # top-3 entropy in nats (authors' code, vLLM port); normalized full-vocab (paper)
 WINDOW_RULES = ("paper", "authors")  # paper: W positions after j; authors' code: W - 1 (both need j + W <= K)
 MAX_SEED = 2**63 - 1
+# Model-free draft sources (drafters.py): prompt lookup over the row's own tokens, the suffix index
+# over earlier requests of this engine, Token Recycling from the target's own earlier top-k.
+MLA_SOURCES = ("pld", "suffix", "recycle")
 
 
 class ParamError(ValueError):
@@ -25,7 +28,9 @@ class Mode:
     """What a mode drafts with, and how its drafts are judged."""
 
     name: str
-    drafter: str | None  # None: no drafts (plain decoding); "lookup": prompt lookup; "model": the draft model
+    # None: no drafts (plain decoding); "lookup": prompt lookup; "suffix": the suffix index over
+    # earlier requests; "recycle": Token Recycling; "model": the draft model (the engine's drafters)
+    drafter: str | None
     loose: bool  # FLy's entropy gate and deferred window decide; False: strict (standard SPD)
     help: str
 
@@ -35,6 +40,8 @@ MODES: dict[str, Mode] = {
     for m in (
         Mode("ar", None, False, "plain decoding of the target"),
         Mode("pld", "lookup", False, "prompt lookup drafts for the target, strict"),
+        Mode("suffix", "suffix", False, "drafts from a suffix index over earlier requests of this engine, strict"),
+        Mode("recycle", "recycle", False, "Token Recycling: drafts from the target's own earlier top-k, strict"),
         Mode("spd", "model", False, "standard speculative decoding with the draft model"),
         Mode("fly", "model", True, "FLy: draft model, entropy gate and deferred window"),
     )
@@ -71,6 +78,11 @@ class Params:
     entropy: str = knob("topk", "entropy the gate reads", choices=ENTROPIES)
     window_rule: str = knob("paper", "paper: W positions after a mismatch; authors: W - 1", choices=WINDOW_RULES)
     mla: bool = knob(True, "model drafter accelerated by prompt lookup")
+    mla_sources: str = knob(
+        "pld",
+        "MLA proposal sources, comma-separated, tried in this order at each drafter forward (the first "
+        f"that proposes wins): {', '.join(MLA_SOURCES)}",
+    )
     temperature: float = knob(0.0, "sampling temperature (0: greedy)", api="openai")
     top_p: float = knob(1.0, "nucleus sampling", api="openai")
     max_tokens: int = knob(256, "most tokens to generate", api="openai")
@@ -101,6 +113,11 @@ class Params:
     def k_cap(self) -> int:
         """The most drafts a round may give this request."""
         return self.k_max if self.auto_k else self.k
+
+    @property
+    def mla_levels(self) -> tuple[str, ...]:
+        """mla_sources as a tuple of names, in order."""
+        return tuple(s.strip() for s in self.mla_sources.split(",")) if isinstance(self.mla_sources, str) else ()
 
     @property
     def effective_window(self) -> int:
@@ -153,6 +170,9 @@ class Params:
             bad("seed", f"must be an integer of magnitude <= {MAX_SEED}")
         if not isinstance(self.mla, bool):
             bad("mla", "must be true or false")
+        levels = self.mla_levels
+        if not levels or any(s not in MLA_SOURCES for s in levels) or len(set(levels)) != len(levels):
+            bad("mla_sources", f"must be distinct names from {', '.join(MLA_SOURCES)}, comma-separated")
         return self
 
 

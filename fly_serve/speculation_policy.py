@@ -30,7 +30,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-MODEL, PLD, NONE = "model", "pld", "none"  # how a row drafts: drafter forwards, prompt lookup, not at all
+# How a row drafts: drafter forwards, a model-free source (prompt lookup, the suffix index over
+# earlier requests, Token Recycling), not at all. The model-free kinds share one cost model: their
+# drafting is free (microseconds, no forward), so a draft costs only its share of the target forward.
+MODEL, PLD, SUFFIX, RECYCLE, NONE = "model", "pld", "suffix", "recycle", "none"
+FREE_KINDS = (PLD, SUFFIX, RECYCLE)
+KINDS = (MODEL, *FREE_KINDS, NONE)
 _TINY = 1e-12
 
 # Without a profile: a shape only, in units of one single-token target forward. The fitted scale
@@ -318,10 +323,14 @@ def _draft_coefficients(d: dict) -> list[float]:
 class RowInfo:
     key: str
     k_max: int  # the request's cap (and what room is left in max_tokens / the context)
-    drafter: str = MODEL  # MODEL, PLD or NONE
+    drafter: str = MODEL  # one of KINDS
     acceptance: float | None = None  # None: the policy's tracker fills it
     tokens_per_forward: float | None = None  # drafts per drafter forward; None: tracker / 1
     fixed: bool = False  # k is k_max (a request with a fixed k); the others adapt around it
+
+    def __post_init__(self):
+        if self.drafter not in KINDS:
+            raise ValueError(f"drafter: must be one of {', '.join(KINDS)} (got {self.drafter!r})")
 
 
 def _tpf(r: RowInfo) -> float:

@@ -129,6 +129,21 @@ class SuffixIndex:
         self._seqs.clear()
         self._end = self._used = 0
 
+    def snapshot(self) -> dict:
+        """A copy of what the index has learned, for restore (a benchmark compares drafters
+        from the same history; a replica could persist it)."""
+        arrays = {name: getattr(self, name) for name in ("_tokens", "_links", "_heads")}
+        state = {name: None if a is None else a.copy() for name, a in arrays.items()}
+        return state | {"_seqs": list(self._seqs), "_end": self._end, "_used": self._used}
+
+    def restore(self, state: dict):
+        """Back to a snapshot of an index with the same bounds (later adds are forgotten)."""
+        for name in ("_tokens", "_links", "_heads"):
+            setattr(self, name, None if state[name] is None else state[name].copy())
+        self._link_views = [] if self._links is None else [memoryview(row) for row in self._links]
+        self._seqs = deque(state["_seqs"])
+        self._end, self._used = state["_end"], state["_used"]
+
     # ---- learning --------------------------------------------------------------------------
 
     def add(self, tokens: Sequence[int]):

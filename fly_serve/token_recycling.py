@@ -53,6 +53,13 @@ class TokenRecycling:
     def clear(self):
         self._table = None
 
+    def snapshot(self) -> np.ndarray | None:
+        """A copy of the table, for restore (a benchmark compares drafters from the same history)."""
+        return None if self._table is None else self._table.copy()
+
+    def restore(self, table: np.ndarray | None):
+        self._table = None if table is None else table.copy()
+
     def observe(self, tokens, logits_topk_ids):
         """Record, for each input token, the target's top-k next-token ids at its position:
         tokens [T] (the tokens fed to the target), logits_topk_ids [T, >=1] (topk(...).indices of

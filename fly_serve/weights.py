@@ -14,6 +14,7 @@ import fcntl
 import hashlib
 import importlib.metadata as md
 import os
+import re
 import shutil
 import time
 from contextlib import contextmanager
@@ -162,6 +163,51 @@ def resolve(name_or_path: str, progress=print) -> str:
     if Path(name_or_path).expanduser().is_dir():
         return str(Path(name_or_path).expanduser())
     return name_or_path  # a Hugging Face id; from_pretrained fetches it where the hub is reachable
+
+
+def converted_path(name_or_path: str, variant: str) -> Path | None:
+    """Where a converted form (`variant`, e.g. "int8") of a local model is kept in the cache, or None
+    for a model with no local weights (a hub id): converting it is then paid at every start.
+
+    The key names everything the converted file depends on: the weight files (path, size, mtime),
+    the variant, and the torch and transformers versions (a pickled quantized module is only
+    read back by the versions that wrote it)."""
+    import transformers
+
+    local = Path(resolve(name_or_path, progress=lambda _: None))
+    if not local.is_dir():
+        return None
+    files = sorted(p for p in local.iterdir() if p.suffix in (".safetensors", ".bin", ".json"))
+    h = hashlib.sha256(str(local.resolve()).encode())
+    for f in files:
+        st = f.stat()
+        h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    tag = f"{variant}-torch{torch.__version__}-tf{transformers.__version__}-{h.hexdigest()[:12]}"
+    return cache_dir() / "converted" / f"{local.name}-{re.sub(r'[^A-Za-z0-9_.+-]', '_', tag)}.pt"
+
+
+def load_converted(path: Path, build, progress=print):
+    """The module saved at `path`, or `build()` saved there first (atomically, one process at a
+    time: replicas starting together convert once).
+
+    A full pickle (torch.save of the module): a dynamically quantized Linear keeps its packed
+    weights only as a module, and re-quantizing on load is the cost this cache removes. The file
+    is our own cache, written by this function, so unpickling it is as trusted as the code."""
+    if path.is_file():
+        return torch.load(path, weights_only=False, mmap=True)
+    with _locked(path.with_name(f".{path.name}.lock")):
+        if path.is_file():  # another process finished while we waited
+            return torch.load(path, weights_only=False, mmap=True)
+        start = time.monotonic()
+        module = build()
+        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+        try:
+            torch.save(module, tmp)
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+        progress(f"converted once into {path} in {time.monotonic() - start:.0f} s")
+    return module
 
 
 def check_same_tokenizer(target_tok, drafter_tok) -> None:

@@ -8,7 +8,12 @@ import numpy as np
 import pytest
 import torch
 
+from fly_serve.contracts import Drafts, Row
+from fly_serve.drafters import ModelDrafter, SourceDrafter
+from fly_serve.model_scorer import ModelScorer
+from fly_serve.speculation_policy import PLD, RECYCLE, SUFFIX, RoundCostModel, RowInfo, allocate
 from fly_serve.suffix_index import SuffixIndex, _bucket, _buckets, _window_hashes
+from fly_serve.tiny import tiny_model
 from fly_serve.token_recycling import TokenRecycling
 
 # ---- SuffixIndex ---------------------------------------------------------------------------
@@ -239,3 +244,87 @@ def test_token_recycling_throughput():
         f"\nTokenRecycling: observe 4096 positions {t_observe * 1e3:.2f} ms, propose k=8 "
         f"{t_propose * 1e6:.1f} us, table {tr.nbytes / 2**20:.1f} MiB"
     )
+
+
+# ---- behind the drafter interface ----------------------------------------------------------
+
+
+class FixedSource:
+    """A DraftSource that always proposes the same tokens (to see which source MLA picked)."""
+
+    def __init__(self, tokens):
+        self.tokens = tokens
+
+    def propose(self, tokens, k):
+        return self.tokens[:k]
+
+
+def test_source_drafter_caps_at_k_and_proposes_one_hot():
+    index = SuffixIndex(max_tokens=1000)
+    index.add(list(range(100, 120)))
+    rows = [Row("a", [1, 105, 106], k=3), Row("b", [7, 8], k=3), Row("c", [105, 106], k=0, temperature=0.8)]
+    drafts = SourceDrafter(index).propose(rows)
+    assert drafts.tokens == [[107, 108, 109], [], []] and drafts.q == [None, None, None]
+
+
+def test_mla_takes_the_first_source_that_proposes():
+    drafter = ModelDrafter(tiny_model(seed=1, num_hidden_layers=1))
+    drafter.share_sources({"suffix": FixedSource([11, 12, 13]), "recycle": FixedSource([21, 22])})
+    context = [1, 2, 3, 4]  # prompt lookup finds nothing here
+    row = Row("a", context, k=8, mla_sources=("pld", "suffix", "recycle"))
+    assert drafter._mla_proposal(row, context, 2) == [11, 12]
+    row.mla_sources = ("recycle", "suffix")
+    assert drafter._mla_proposal(row, context, 5) == [21, 22]
+    row.mla_sources = ("pld",)
+    assert drafter._mla_proposal(row, [1, 2, 3, 1, 2], 5) == [3, 1, 2]
+    assert drafter._mla_proposal(row, context, 5) == []
+    assert drafter._mla_proposal(Row("b", context, k=8, mla=False, mla_sources=("suffix",)), context, 5) == []
+    alone = ModelDrafter(tiny_model(seed=1, num_hidden_layers=1))  # no shared sources: skipped
+    assert alone._mla_proposal(Row("c", context, k=8, mla_sources=("suffix", "recycle")), context, 5) == []
+
+
+def test_scorer_reports_the_targets_topk_per_position():
+    scorer = ModelScorer(tiny_model(seed=0, initializer_range=0.2), topk=5)
+    rows = [Row("a", [5, 17, 42, 99], k=3), Row("b", [1, 2, 3], k=1)]
+    verdict = scorer.verify(rows, Drafts([[4, 5, 6], [9]], [None, None]))
+    assert verdict.topk.shape == (2, 4, 5) and verdict.topk.dtype == torch.long
+    assert torch.equal(verdict.topk[0, :, 0], verdict.y[0]) and verdict.topk[1, 0, 0] == verdict.y[1, 0]
+    assert all(len(set(t.tolist())) == 5 for t in verdict.topk.reshape(-1, 5))  # distinct ids, best first
+    assert ModelScorer(tiny_model(seed=0), topk=0).verify(rows, Drafts([[4], [9]], [None, None])).topk is None
+
+
+def test_free_sources_cost_like_prompt_lookup_in_the_policy():
+    cost = RoundCostModel()
+    for kind in (SUFFIX, RECYCLE):
+        rows = [RowInfo("a", 8, acceptance=0.7), RowInfo("b", 8, drafter=kind, acceptance=0.5)]
+        pld = [RowInfo("a", 8, acceptance=0.7), RowInfo("b", 8, drafter=PLD, acceptance=0.5)]
+        assert allocate(rows, cost) == allocate(pld, cost)
+    with pytest.raises(ValueError, match="^drafter:"):
+        RowInfo("a", 8, drafter="lookup")
+
+
+def test_snapshot_and_restore_forget_later_learning():
+    index = SuffixIndex(max_tokens=100)
+    index.add([1, 2, 3, 4])
+    saved = index.snapshot()
+    for s in range(20):  # evicts [1, 2, 3, 4] and fills the ring
+        index.add([50 + s, 60, 61, 62])
+    assert index.propose([1, 2], 2) == []
+    index.restore(saved)
+    assert index.propose([1, 2], 2) == [3, 4] and index.propose([60, 61], 1) == []
+    assert index.num_sequences == 1 and index.num_tokens == 4
+    index.add([7, 8, 9])  # the restored arrays are its own, not the snapshot's
+    assert index.propose([7, 8], 1) == [9] and saved["_tokens"] is not index._tokens
+    empty = SuffixIndex(max_tokens=100)
+    blank = empty.snapshot()
+    empty.add([1, 2, 3])
+    empty.restore(blank)
+    assert empty.propose([1, 2], 1) == [] and empty.nbytes == 0
+
+    tr = TokenRecycling(vocab_size=100)
+    assert tr.snapshot() is None
+    tr.observe([5], _topk([[6]]))
+    saved = tr.snapshot()
+    tr.observe([5], _topk([[9]]))
+    tr.restore(saved)
+    assert tr.propose([5], 1) == [6]

@@ -7,6 +7,7 @@ import torch
 
 from fly_serve import prompt_lookup
 from fly_serve.build import build_engine
+from fly_serve.engine import Engine
 from fly_serve.params import ParamError
 from fly_serve.runner import Runner
 from fly_serve.tiny import tiny_model, tiny_tokenizer
@@ -125,6 +126,9 @@ def test_seeded_sampling_is_reproducible_and_batch_independent():
         ("temperature", -1),
         ("seed", 10**20),
         ("seed", 1.5),
+        ("mla_sources", "pld,nope"),
+        ("mla_sources", "pld,pld"),
+        ("mla_sources", ""),
     ],
 )
 def test_bad_input_names_the_field(field, value):
@@ -312,3 +316,160 @@ def test_admission_at_the_kv_budget_edge():
     while eng.has_work():
         eng.step()
     assert first.generated == AR[1] and second.generated == AR[0][:20]
+
+
+# ---- model-free draft sources as modes and as MLA levels (suffix index, token recycling)
+# The tiny pair above decodes one token over and over, which any source drafts; these tests use a
+# target whose outputs vary (larger initial weights) and a drafter that is a noisy copy of it, so
+# drafts are partly accepted and every source's alignment with the text is exercised.
+
+
+def _noisy_copy(model, scale: float, seed: int = 3):
+    copy = tiny_model(seed=seed, initializer_range=0.2).to(DEVICE)
+    copy.load_state_dict(model.state_dict())
+    g = torch.Generator().manual_seed(seed)
+    for p in copy.parameters():
+        p.add_(torch.randn(p.shape, generator=g).to(DEVICE) * scale)
+    return copy
+
+
+VARIED = tiny_model(seed=0, initializer_range=0.2).to(DEVICE)
+NOISY = _noisy_copy(VARIED, 0.01)
+ALL_SOURCES = "pld,suffix,recycle"
+
+
+def varied_engine(drafter=NOISY, **kw):
+    eng = build_engine(VARIED, drafter, tokenizer=tiny_tokenizer(), max_model_len=256, **kw)
+    eng.eos_ids = set()
+    return eng
+
+
+VARIED_AR = [r.generated for r in varied_engine().generate(PROMPTS, dict(mode="ar", max_tokens=30))]
+
+
+def test_varied_pair_varies_and_partly_agrees():
+    """The premise of the tests below: outputs are not one repeated token, and the drafter's
+    drafts are partly rejected."""
+    assert all(len(set(g)) > 10 for g in VARIED_AR)
+    reqs = varied_engine().generate(PROMPTS, dict(mode="spd", k=4, mla=False, max_tokens=30))
+    assert [r.generated for r in reqs] == VARIED_AR
+    assert 0 < sum(r.stats.accepted for r in reqs) < sum(r.stats.drafted for r in reqs)
+
+
+def test_free_sources_and_mla_levels_equal_ar_after_learning():
+    """suffix and recycle learn from this engine's traffic: on a fresh engine they have little or
+    nothing to draft from; once requests have finished (the suffix index) and rounds were verified
+    (the recycler), they draft, and every mode still equals ar."""
+    eng = varied_engine()
+    first = eng.generate(PROMPTS, dict(mode="suffix", max_tokens=30))
+    assert [r.generated for r in first] == VARIED_AR
+    assert all(r.stats.drafted == 0 for r in first)  # nothing had finished before them
+    assert eng.suffix_index.num_sequences == len(PROMPTS) and eng.recycler.nbytes > 0
+    for params in [
+        dict(mode="suffix"),
+        dict(mode="recycle"),
+        dict(mode="spd", mla_sources=ALL_SOURCES),
+        dict(mode="spd", mla_sources="recycle"),
+        dict(mode="spd", k=5, mla_sources="suffix,pld"),
+        dict(mode="fly", theta=1.0, mla_sources=ALL_SOURCES),
+        dict(mode="suffix", k="auto", k_max=6),
+        dict(mode="recycle", k="auto", k_max=6),
+        dict(mode="spd", k="auto", k_max=6, mla_sources=ALL_SOURCES),
+    ]:
+        reqs = eng.generate(PROMPTS, dict(max_tokens=30, **params))
+        assert [r.generated for r in reqs] == VARIED_AR, params
+        # (k "auto" may back off the model drafter on tiny models: its forward costs about the target's)
+        assert sum(r.stats.drafted for r in reqs) > 0 or params["mode"] == "spd" and params.get("k") == "auto", params
+    # The same prompts again: the index holds each whole earlier answer, so suffix drafts all of it.
+    again = eng.generate(PROMPTS, dict(mode="suffix", k=8, max_tokens=30))
+    assert [r.generated for r in again] == VARIED_AR
+    assert all(r.stats.accepted == r.stats.drafted >= 25 for r in again)
+
+
+def test_recycle_drafts_are_partly_rejected_and_stay_exact():
+    """Recycled chains follow only the last token, so on varied text most are rejected: the
+    strict decision then emits the target's own token (and the output stays ar)."""
+    eng = varied_engine()
+    eng.generate(PROMPTS, dict(mode="ar", max_tokens=30))
+    reqs = eng.generate(PROMPTS, dict(mode="recycle", k=4, max_tokens=30))
+    assert [r.generated for r in reqs] == VARIED_AR
+    assert all(r.stats.drafted > r.stats.accepted for r in reqs)
+
+
+def test_mla_sources_advance_the_drafter_several_tokens_per_forward():
+    """MLA with the suffix index: a repeated request is proposed whole, the drafter (here the
+    target itself) confirms it in one forward instead of one forward a token, and the output
+    stays ar."""
+    eng = varied_engine(drafter=VARIED)
+    eng.generate(PROMPTS[:1], dict(mode="ar", max_tokens=30))
+    drafter = eng.drafters["model"]
+    before = drafter.forwards
+    alone = eng.generate(PROMPTS[:1], dict(mode="spd", k=8, mla=False, max_tokens=30))[0]
+    without = drafter.forwards - before
+    before = drafter.forwards
+    mla = eng.generate(PROMPTS[:1], dict(mode="spd", k=8, mla_sources="suffix", max_tokens=30))[0]
+    assert alone.generated == mla.generated == VARIED_AR[0]
+    assert mla.stats.drafted == alone.stats.drafted and drafter.forwards - before < without / 2
+
+
+def test_a_batch_mixing_every_mode_equals_ar():
+    eng = varied_engine()
+    eng.generate(PROMPTS, dict(mode="ar", max_tokens=30))  # gives suffix and recycle something to draft
+    modes = [
+        dict(mode="ar"),
+        dict(mode="pld"),
+        dict(mode="suffix"),
+        dict(mode="recycle"),
+        dict(mode="spd"),
+        dict(mode="spd", mla_sources=ALL_SOURCES),
+        dict(mode="fly", theta=1.0, mla_sources="recycle,suffix"),
+        dict(mode="recycle", k="auto"),
+    ]
+    which = [i % len(PROMPTS) for i in range(len(modes))]
+    reqs = eng.generate([PROMPTS[i] for i in which], [dict(max_tokens=30, **m) for m in modes])
+    assert [r.generated for r in reqs] == [VARIED_AR[i] for i in which]
+    assert all(r.stats.drafted > 0 for r, m in zip(reqs, modes) if m["mode"] != "ar")
+
+
+def test_free_sources_sample_reproducibly():
+    """T > 0: the sources' proposals are deterministic (a one-hot q), so the target's sampling is
+    exact; a seeded run repeats on an engine that learned the same things."""
+
+    def run(params):
+        eng = varied_engine()
+        eng.generate(PROMPTS, dict(mode="ar", max_tokens=30))
+        reqs = eng.generate(PROMPTS, dict(max_tokens=20, temperature=0.9, seed=5, **params))
+        return [r.generated for r in reqs], sum(r.stats.drafted for r in reqs)
+
+    for params in [dict(mode="suffix"), dict(mode="recycle"), dict(mode="fly", mla_sources=ALL_SOURCES)]:
+        out, drafted = run(params)
+        assert all(len(g) == 20 for g in out) and drafted > 0, params
+        assert (out, drafted) == run(params), params
+
+
+def test_recycler_is_fed_from_the_verdicts_topk():
+    """After ar rounds, the recycler's top-1 successor of each fed token is the target's token
+    that followed it (its latest occurrence), which only Verdict.topk carries to the engine."""
+    eng = varied_engine()
+    req = eng.generate(PROMPTS[1:2], dict(mode="ar", max_tokens=30))[0]
+    fed = req.tokens[req.n_prompt - 1 : -1]  # the pending token of each round
+    successor = {t: n for t, n in zip(fed, req.generated)}  # the latest occurrence wins
+    assert {t: int(eng.recycler._table[t, 0]) for t in successor} == successor
+    fresh = varied_engine()  # a scorer that reports no top-k: the recycler learns nothing
+    fresh.scorer.topk = 0
+    fresh.generate(PROMPTS[1:2], dict(mode="ar", max_tokens=5))
+    assert fresh.recycler.nbytes == 0
+
+
+def test_suffix_index_of_the_engine_stays_within_its_bound():
+    base = varied_engine()
+    eng = Engine(base.scorer, base.drafters["model"], base.tokenizer, max_model_len=256, suffix_max_tokens=200)
+    eng.eos_ids = set()
+    for _ in range(4):
+        eng.generate(PROMPTS, dict(mode="spd", mla_sources=ALL_SOURCES, max_tokens=30))
+        assert 0 < eng.suffix_index.num_tokens <= 200
+    nbytes = eng.suffix_index.nbytes
+    eng.generate(PROMPTS, dict(mode="suffix", max_tokens=30))
+    assert eng.suffix_index.nbytes == nbytes  # fixed arrays: eviction, never growth
+    assert eng.suffix_index.num_sequences < 4 * len(PROMPTS)  # the oldest were evicted
+    assert eng.suffix_index.propose(PROMPTS[3], 3) == VARIED_AR[3][:3]  # the newest is there

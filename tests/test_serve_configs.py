@@ -8,10 +8,14 @@ import jsonschema
 import pytest
 import ray
 import yaml
+from pydantic import ValidationError
 from ray._common.utils import import_attr
 from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
 from ray.serve._private.build_app import build_app
 from ray.serve.schema import ServeDeploySchema
+
+from deployments.app import AppArgs, build
+from deployments.ingress import serve_limits
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.serve
@@ -33,6 +37,7 @@ def test_serve_config_builds(path):
         assert set(configured) == set(built)
         for d in configured.values():
             assert d.autoscaling_config and d.ray_actor_options, d.name
+        check_ingress_sheds_first(app_config.args, built["FlyIngress"], configured["FlyIngress"])
         tp = app_config.args.get("tp_size", 1)
         if tp > 1:
             target = configured["FlyTarget"]
@@ -43,6 +48,44 @@ def test_serve_config_builds(path):
             replica_cpus = target.ray_actor_options.num_cpus
             assert target.placement_group_bundles[0]["CPU"] >= worker["num_cpus"] + replica_cpus
             assert all(b.get("GPU", 0) >= worker.get("num_gpus", 0) for b in target.placement_group_bundles)
+
+
+def check_ingress_sheds_first(args: dict, built, configured) -> None:
+    """Serve's own limits on the ingress (a plain-text 503) stay above ours (the OpenAI-format
+    503), from the builder and from whatever the profile sets."""
+    a = AppArgs(**args)
+    ours = a.max_batch + a.max_waiting
+    assert built.max_ongoing_requests == serve_limits(a.max_batch, a.max_waiting)["max_ongoing_requests"] > ours
+    assert built.max_queued_requests == -1
+    set_here = configured.model_dump(exclude_unset=True)
+    assert set_here.get("max_ongoing_requests", ours + 1) > ours
+    assert set_here.get("max_queued_requests", -1) == -1
+
+
+def test_profile_keys_reach_the_target_and_drafter():
+    app = build({"tiny": True, "kv_budget_tokens": 256, "target_round_timeout_s": 7, "target_ping_timeout_s": 3})
+    built = {d.name: d for d in build_app(app, name="fly").deployments}
+    target = built["FlyTarget"].init_kwargs
+    assert target["kv_budget_tokens"] == 256
+    assert (target["round_timeout_s"], target["ping_timeout_s"]) == (7, 3)
+    assert target["startup_timeout_s"] == AppArgs().target_startup_timeout_s
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("kv_budget_tokens", 8),  # less than one 16-token block
+        ("kv_budget_tokens", -1),
+        ("target_round_timeout_s", 0),
+        ("target_ping_timeout_s", -1),
+        ("target_startup_timeout_s", 0),
+        ("max_waiting", -1),
+    ],
+)
+def test_bad_profile_values_name_the_field(field, value):
+    with pytest.raises(ValidationError) as e:
+        AppArgs(**{field: value})
+    assert e.value.errors()[0]["loc"] == (field,)
 
 
 def test_cpu_default_fits_two_cores():

@@ -1,10 +1,11 @@
 """Serving that stays up: clients that leave at every stage, bad text, overload, API keys, error
 bodies that reveal nothing, the body limit, health and readiness, metrics, draining.
 
-Two small apps on one local Ray, deployed from one Serve config (tiny models, 127.0.0.1): "fly"
-at / (TP=1, a small waiting queue) and "locked" at /locked (an API key, and a remote timeout so
-small that every round fails, for the server-error path). Plus unit tests of the pieces that need
-no Ray.
+Three small apps on one local Ray, deployed from one Serve config (tiny models, 127.0.0.1): "fly"
+at / (TP=1, a small waiting queue), "locked" at /locked (an API key, and a remote timeout so
+small that every round fails, for the server-error path) and "budget" at /budget (a KV cache of
+a few hundred tokens, for admission at the budget's edge). Plus unit tests of the pieces that
+need no Ray.
 """
 
 import json
@@ -21,7 +22,7 @@ import requests
 from serve_fixture import ROOT, free_port, stop_serve
 
 from deployments.engine_loop import EngineLoop
-from deployments.ingress import Slots, authorized, resolve_api_key
+from deployments.ingress import Slots, authorized, resolve_api_key, serve_limits
 from deployments.openai_api import clean, error_body
 from deployments.remote_parts import RemoteScorer, RemoteTimeout
 from fly_serve.build import build_engine
@@ -32,7 +33,10 @@ MAX_BATCH, MAX_WAITING = 8, 4
 APP = {"tiny": True, "max_batch": MAX_BATCH, "max_waiting": MAX_WAITING, "defaults": {"max_tokens": 16}}
 KEY = "test-key-7f3a"
 LOCKED = {"tiny": True, "max_batch": 2, "api_key": KEY, "remote_timeout_s": 1e-6}
-PROMPT = "hello hello hello"
+PROMPT = "hello hello hello"  # 17 tokens (the tiny tokenizer is byte-level)
+# KV need of a request: prompt + max_tokens + k + 1 (k = 15 by default, in ar mode too).
+BUDGET_TOKENS = 512
+BUDGET = {"tiny": True, "max_batch": 2, "max_waiting": 1, "kv_budget_tokens": BUDGET_TOKENS, "defaults": {"mode": "ar"}}
 LONG = {"prompt": PROMPT, "max_tokens": 400, "fly": {"mode": "ar"}}  # ar: one token a round, so it lasts
 TIMEOUT = 60  # every client call has one: nothing may hang
 
@@ -50,7 +54,7 @@ def config(ingress_cpus: float = 0.2) -> dict:
             "deployments": [ingress]
         }
 
-    return {"applications": [app("fly", "/", APP), app("locked", "/locked", LOCKED)]}
+    return {"applications": [app("fly", "/", APP), app("locked", "/locked", LOCKED), app("budget", "/budget", BUDGET)]}
 
 
 def deploy(cfg: dict) -> None:
@@ -60,13 +64,16 @@ def deploy(cfg: dict) -> None:
     serve_api.serve_start().deploy_apps(ServeDeploySchema.model_validate(cfg))
 
 
+APPS = {"fly", "locked", "budget"}
+
+
 def wait_running(timeout_s: float = 120) -> None:
     from ray import serve
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         apps = serve.status().applications
-        if {"fly", "locked"} <= set(apps) and all(apps[a].status == "RUNNING" for a in ("fly", "locked")):
+        if APPS <= set(apps) and all(apps[a].status == "RUNNING" for a in APPS):
             return
         time.sleep(0.5)
     raise AssertionError(f"not running: {serve.status().applications}")
@@ -87,6 +94,7 @@ def url():
     base = f"http://127.0.0.1:{port}"
     wait_ready(base)
     wait_ready(f"{base}/locked")
+    wait_ready(f"{base}/budget")
     yield base
     stop_serve()
 
@@ -233,6 +241,22 @@ def test_healthz_is_ready_after_start(url):
     assert complete(url, prompt=PROMPT).status_code == 200
 
 
+def test_openapi_documents_the_request_bodies(url):
+    from openapi_spec_validator import validate
+
+    doc = requests.get(f"{url}/openapi.json", timeout=TIMEOUT).json()
+    validate(doc)  # a valid OpenAPI document, every $ref resolving
+    schemas = doc["components"]["schemas"]
+    for path, required in (("/v1/completions", "prompt"), ("/v1/chat/completions", "messages")):
+        body = doc["paths"][path]["post"]["requestBody"]
+        ref = body["content"]["application/json"]["schema"]["$ref"]
+        model = schemas[ref.rsplit("/", 1)[1]]
+        assert body["required"] and required in model["required"], model
+        assert {"max_tokens", "temperature", "stream", "fly"} <= set(model["properties"]), model["properties"].keys()
+    fly = schemas["FlyOptions"]
+    assert {"mode", "k", "theta", "window"} <= set(fly["properties"]) and fly["additionalProperties"] is False
+
+
 def test_lone_surrogate_is_a_400_naming_the_field(url):
     headers = {"content-type": "application/json"}
     cases = [
@@ -293,6 +317,72 @@ def test_overload_is_503_with_retry_after_and_nothing_hangs(url):
         else:
             assert r.json()["choices"][0]["finish_reason"] == "length"
     assert wait_idle(url)["in_flight"] == 0
+
+
+def test_overload_past_serves_own_limits_is_still_our_503(url):
+    """More connections at once than the ingress replica takes (Serve's max_ongoing_requests):
+    the extra ones wait in Serve's queue, which never sheds, and get our 503 in turn."""
+    # more than Serve's old limits too (64 ongoing + 64 queued), past which it answered its own 503
+    n = serve_limits(MAX_BATCH, MAX_WAITING)["max_ongoing_requests"] + 72
+    with ThreadPoolExecutor(n) as pool:
+        rs = list(pool.map(lambda _: complete(url, **LONG, timeout=180), range(n)))
+    codes = [r.status_code for r in rs]
+    assert set(codes) <= {200, 503}, codes
+    assert codes.count(200) >= MAX_BATCH and codes.count(503) >= n // 2, codes
+    for r in rs:
+        if r.status_code == 503:  # every one is ours: the OpenAI error body, never Serve's text
+            err = assert_clean_error(r, 503)
+            assert err["code"] == "overloaded" and r.headers["Retry-After"]
+    assert wait_idle(url)["in_flight"] == 0
+
+
+# ---- admission at the KV budget's edge (the "budget" app)
+
+
+def test_kv_budget_is_the_same_on_the_target(url):
+    from ray import serve
+
+    target = serve.get_deployment_handle("FlyTarget", app_name="budget")
+    assert target.rank_kv_capacities.remote().result(timeout_s=30) == [BUDGET_TOKENS]
+    assert stats(f"{url}/budget")["capacity"] == BUDGET["max_batch"] + BUDGET["max_waiting"]
+
+
+def test_kv_budget_admission_through_http(url):
+    """One request that fills most of the budget runs alone (the batch has room for two); two
+    that fit only later wait and are answered; one that can never fit gets a 400 at once; one
+    past the full queue gets a 503."""
+    budget = f"{url}/budget"
+    big = {"prompt": PROMPT, "max_tokens": 450}  # 17 + 450 + 16 = 483 of 512 tokens
+    small = {"prompt": PROMPT, "max_tokens": 100}  # 133: fits beside another small one, not beside big
+    first = requests.post(f"{budget}/v1/completions", json={**big, "stream": True}, stream=True, timeout=TIMEOUT)
+    assert first.status_code == 200
+    lines = first.iter_lines(decode_unicode=True)
+    next(lines)  # generating
+    never = complete(budget, prompt=PROMPT, max_tokens=600)  # 633 > 512
+    running = stats(budget)["running"]  # the big one still runs: the 400 did not wait for it
+    with ThreadPoolExecutor(2) as pool:
+        later = [pool.submit(complete, budget, **small, timeout=120) for _ in range(2)]
+        deadline = time.monotonic() + 30
+        while (s := stats(budget))["waiting"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert (s["running"], s["waiting"]) == (1, 2), s  # waiting for KV blocks, not for the batch
+        full = complete(budget, prompt=PROMPT, max_tokens=4)  # a 4th in flight: past max_batch + max_waiting
+        s = stats(budget)
+        answered = [f.result() for f in later]
+    events = [json.loads(line[6:]) for line in lines if line and line != "data: [DONE]"]
+    first.close()
+    err = assert_clean_error(never, 400, "max_tokens")
+    assert f"KV cache of {BUDGET_TOKENS} tokens" in err["message"] and running == 1, (err, running)
+    assert (s["running"], s["waiting"]) == (1, 2), s  # the 503 came while the small ones still waited
+    err = assert_clean_error(full, 503)
+    assert err["code"] == "overloaded"
+    last = events[-1]
+    assert last["usage"]["completion_tokens"] == 450 and last["fly"]["max_batch_size"] == 1
+    for r in answered:
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["usage"]["completion_tokens"] == 100 and body["fly"]["max_batch_size"] == 2
+    assert wait_idle(budget)["in_flight"] == 0
 
 
 # ---- clients that leave

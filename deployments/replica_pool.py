@@ -1,0 +1,122 @@
+"""Routing and scaling for pools of replicas that hold per-sequence state (KV caches).
+
+Sticky groups. A caller splits its work into as many groups as the pool has live replicas and
+tags each call with its group ("g<i>", carried as Serve's multiplexed model id). PinnedRouter
+sends group i to the i-th live replica (replicas ordered by id), so each replica gets one call
+per round, never several serial calls, and a row keeps meeting the replica that holds its KV
+cache. When replicas come or go, the groups are re-dealt (rows carry all their tokens, so a row
+that moves is only a cache miss on its new replica).
+
+Rows are assigned to groups by rendezvous hashing: when the pool grows from n to n + 1 replicas,
+only about 1/(n + 1) of the rows move.
+
+The same router pins serving units: ingress replica r tags its target calls "g<r>", so each
+ingress replica talks to its own target replica (no shared KV slot pool).
+
+BusyPolicy scales the drafter pool on what a drafter really sees: the fraction of wall time its
+model was busy (record_autoscaling_stats in drafter_replica.py), not ongoing requests, which the
+round loop keeps at one call per replica however many users wait.
+"""
+
+import hashlib
+import logging
+import math
+import threading
+import time
+
+from ray import serve
+from ray.serve.config import AutoscalingContext
+from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
+
+log = logging.getLogger("fly_serve.replica_pool")
+
+BUSY = "busy_fraction"  # the custom autoscaling metric a drafter replica reports
+
+
+def group_tag(group: int) -> str:
+    return f"g{group}"
+
+
+def group_from_tag(tag: str | None) -> int | None:
+    if tag and tag.startswith("g") and tag[1:].isdigit():
+        return int(tag[1:])
+    return None
+
+
+def group_of(key: str, n_groups: int) -> int:
+    """Rendezvous (highest random weight) hashing: stable across processes (blake2b, not the
+    salted hash(); not crc32 either, whose linearity skews the weights), and growing n moves
+    only the keys the new group wins."""
+    return max(range(n_groups), key=lambda g: hashlib.blake2b(f"{g}:{key}".encode(), digest_size=8).digest())
+
+
+def split(keys: list[str], n_groups: int) -> dict[int, list[int]]:
+    """Indices of keys by group."""
+    groups: dict[int, list[int]] = {}
+    for i, key in enumerate(keys):
+        groups.setdefault(group_of(key, n_groups), []).append(i)
+    return groups
+
+
+class PinnedRouter(FIFOMixin, RequestRouter):
+    """Group i goes to the i-th live replica (by replica id); untagged calls (health probes,
+    reports) and calls whose replica is not available go to any other replica."""
+
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
+        group = group_from_tag(pending_request.metadata.multiplexed_model_id) if pending_request else None
+        live = sorted(self.curr_replicas.values(), key=lambda r: r.replica_id.unique_id)
+        if group is None or not live:
+            return [candidate_replicas]
+        pinned = live[group % len(live)].replica_id
+        first = [r for r in candidate_replicas if r.replica_id == pinned]
+        return [first, [r for r in candidate_replicas if r.replica_id != pinned]] if first else [candidate_replicas]
+
+
+def unit_rank(ctx) -> int:
+    """This replica's rank in its deployment (0..n-1), from Serve's replica context."""
+    rank = getattr(ctx, "rank", 0)
+    return int(getattr(rank, "rank", rank) or 0)
+
+
+class LiveReplicas:
+    """How many replicas of a deployment are running, from Serve's status, asked at most every
+    `ttl_s` (the answer sizes the groups of every round; the controller is not asked per round)."""
+
+    def __init__(self, app_name: str, deployment: str, ttl_s: float = 2.0):
+        self.app_name, self.deployment, self.ttl_s = app_name, deployment, ttl_s
+        self._n, self._at = 1, -math.inf
+        self._lock = threading.Lock()
+
+    def __call__(self) -> int:
+        with self._lock:
+            if time.monotonic() - self._at > self.ttl_s:
+                self._at = time.monotonic()
+                try:
+                    states = serve.status().applications[self.app_name].deployments[self.deployment].replica_states
+                    self._n = max(1, int(states.get("RUNNING", 0)))
+                except Exception as e:  # keep the last answer: routing stays correct either way
+                    log.warning("replica count of %s unknown (%s)", self.deployment, type(e).__name__)
+            return self._n
+
+
+class BusyPolicy:
+    """Replicas so that each is busy about `target` of its time: desired = total busy / target.
+    Serve applies min/max_replicas, up/downscale delays and factors around this."""
+
+    def __init__(self, target: float = 0.6):
+        if not 0 < target <= 1:
+            raise ValueError(f"target: must be in (0, 1], got {target}")
+        self.target = target
+
+    def __call__(self, ctx: AutoscalingContext) -> tuple[float, dict]:
+        busy = (ctx.aggregated_metrics or {}).get(BUSY) or {}
+        if not busy:  # no reports yet (a fresh deployment): keep what there is
+            return ctx.target_num_replicas, {}
+        return desired_replicas(list(busy.values()), self.target), {}
+
+
+def desired_replicas(busy_fractions: list[float], target: float) -> float:
+    """Total busy time over the pool, in replicas, divided by the busy fraction wanted of each."""
+    return max(1.0, sum(min(1.0, max(0.0, b)) for b in busy_fractions) / target)

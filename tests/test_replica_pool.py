@@ -1,0 +1,67 @@
+"""Sticky groups and the busy-time autoscaling policy (deployments/replica_pool.py); the routing
+through real Serve replicas is in test_serve_scaling.py."""
+
+import pytest
+from ray.serve.config import AutoscalingContext
+
+from deployments.replica_pool import BUSY, BusyPolicy, desired_replicas, group_from_tag, group_of, group_tag, split
+
+KEYS = [f"cmpl-{i:04d}" for i in range(2000)]
+
+
+def test_groups_are_stable_and_cover_every_group():
+    for n in (1, 2, 3, 5):
+        groups = [group_of(k, n) for k in KEYS]
+        assert groups == [group_of(k, n) for k in KEYS]  # deterministic (not the salted hash())
+        counts = [groups.count(g) for g in range(n)]
+        assert min(counts) > 0.6 * len(KEYS) / n, counts  # roughly even
+
+
+def test_growing_the_pool_moves_only_the_new_groups_share():
+    for n in (1, 2, 3, 4):
+        before = {k: group_of(k, n) for k in KEYS}
+        after = {k: group_of(k, n + 1) for k in KEYS}
+        moved = [k for k in KEYS if before[k] != after[k]]
+        assert all(after[k] == n for k in moved)  # a key only ever moves to the new group
+        assert 0.6 / (n + 1) < len(moved) / len(KEYS) < 1.4 / (n + 1)
+
+
+def test_split_and_tags():
+    groups = split(KEYS[:50], 3)
+    assert sorted(i for idx in groups.values() for i in idx) == list(range(50))
+    assert all(group_of(KEYS[i], 3) == g for g, idx in groups.items() for i in idx)
+    assert group_from_tag(group_tag(7)) == 7
+    assert group_from_tag(None) is None and group_from_tag("") is None and group_from_tag("model-x") is None
+
+
+def context(busy: dict | None, target_replicas: int = 1) -> AutoscalingContext:
+    return AutoscalingContext(
+        deployment_id=None,
+        deployment_name="FlyDrafter",
+        app_name="fly",
+        current_num_replicas=target_replicas,
+        target_num_replicas=target_replicas,
+        running_replicas=[],
+        total_num_requests=1.0,
+        total_queued_requests=0.0,
+        aggregated_metrics={BUSY: busy} if busy is not None else {},
+        raw_metrics={},
+        capacity_adjusted_min_replicas=1,
+        capacity_adjusted_max_replicas=4,
+        policy_state={},
+        last_scale_up_time=None,
+        last_scale_down_time=None,
+        current_time=0.0,
+        config=None,
+    )
+
+
+def test_busy_policy():
+    policy = BusyPolicy(target=0.5)
+    assert policy(context({"r1": 0.9}))[0] == pytest.approx(1.8)  # one replica busy 90%: two wanted
+    assert policy(context({"r1": 0.9, "r2": 0.9}, 2))[0] == pytest.approx(3.6)
+    assert policy(context({"r1": 0.1, "r2": 0.05}, 2))[0] == 1.0  # never below one
+    assert policy(context(None, 3))[0] == 3  # no reports yet: keep the current target
+    assert desired_replicas([1.7, -0.2], 1.0) == 1.0  # fractions are clamped to [0, 1]
+    with pytest.raises(ValueError, match="target"):
+        BusyPolicy(target=0)

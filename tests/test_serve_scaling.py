@@ -1,0 +1,123 @@
+"""Scaling out (tiny models, real Ray and Serve, 127.0.0.1): the drafter pool grows under load
+and every live drafter replica drafts its share of each round; two ingress + target units share
+the pool, each ingress pinned to its own target; outputs equal the in-process engine's. Also the
+load sweep's own mechanics (loadtest/load_sweep.py, in a subprocess: Locust patches the process
+for gevent)."""
+
+import json
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+from serve_fixture import ROOT, start_serve, stop_serve
+
+from fly_serve.build import build_engine
+
+pytestmark = pytest.mark.serve
+
+APP = {
+    "tiny": True,
+    "units": 2,
+    "max_batch": 4,
+    "affinity_groups": 4,
+    "defaults": {"max_tokens": 24},
+    # scale out at the first sign of drafting: a tiny drafter is never busy for long
+    "drafter_autoscaling": {
+        "min_replicas": 1,
+        "max_replicas": 2,
+        "upscale_delay_s": 0.5,
+        "downscale_delay_s": 600,
+        "metrics_interval_s": 0.5,
+        "look_back_period_s": 2,
+        "policy": {"policy_function": "deployments.replica_pool:BusyPolicy", "policy_kwargs": {"target": 0.01}},
+    },
+}
+PROMPTS = ["def add(a, b):\n    return", "The quick brown fox", "1, 2, 3, 4, 5,", "hello hello hello"]
+
+
+@pytest.fixture(scope="module")
+def url():
+    base = start_serve(APP)
+    yield base
+    stop_serve()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    engine = build_engine("tiny:0", "tiny:1", max_model_len=1024)
+    return {p: engine.generate([p], [{"max_tokens": 24, "mode": "fly"}])[0].text for p in PROMPTS}
+
+
+def complete(url, prompt):
+    r = requests.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": 24}, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def running(deployment: str) -> int:
+    from ray import serve
+
+    states = serve.status().applications["fly"].deployments[deployment].replica_states
+    return states.get("RUNNING", 0)
+
+
+def per_replica(deployment: str, method: str, n: int) -> list:
+    """`method` on each of n replicas: a call tagged g<i> goes to the i-th (replica_pool.PinnedRouter)."""
+    from ray import serve
+
+    handle = serve.get_deployment_handle(deployment, "fly")
+    return [getattr(handle.options(multiplexed_model_id=f"g{i}"), method).remote().result() for i in range(n)]
+
+
+def wave(url, n=8):
+    with ThreadPoolExecutor(n) as pool:
+        return list(pool.map(lambda i: (PROMPTS[i % 4], complete(url, PROMPTS[i % 4])), range(n)))
+
+
+def test_drafter_pool_scales_out_and_every_replica_drafts(url, reference):
+    deadline = time.monotonic() + 240
+    while running("FlyDrafter") < 2:
+        assert time.monotonic() < deadline, "no second drafter replica within 240 s of load"
+        for prompt, text in wave(url):
+            assert text == reference[prompt]
+    pids = per_replica("FlyDrafter", "pid", 2)
+    assert len(set(pids)) == 2  # the groups are pinned to distinct replicas
+    before = [r["rows"] for r in per_replica("FlyDrafter", "cache_report", 2)]
+    time.sleep(3)  # the ingresses' replica counts refresh (LiveReplicas' ttl)
+    for prompt, text in wave(url) + wave(url):
+        assert text == reference[prompt]  # outputs do not depend on which replica drafted
+    after = [r["rows"] for r in per_replica("FlyDrafter", "cache_report", 2)]
+    assert all(a > b for a, b in zip(after, before)), (before, after)  # both replicas drafted rows
+
+
+def test_two_units_each_with_its_own_target(url, reference):
+    assert running("FlyIngress") == 2 and running("FlyTarget") == 2
+    pids = per_replica("FlyTarget", "pid", 2)
+    assert len(set(pids)) == 2
+    before = [s["rows"] for s in per_replica("FlyTarget", "stats", 2)]
+    for prompt, text in wave(url, 12):
+        assert text == reference[prompt]
+    after = [s["rows"] for s in per_replica("FlyTarget", "stats", 2)]
+    assert all(a > b for a, b in zip(after, before)), (before, after)  # the proxy spread requests over both
+
+
+def test_load_sweep_mechanics(url, tmp_path):
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "loadtest" / "load_sweep.py"), "--host", url, "--users", "1", "2"]
+        + ["--methods", "ar", "fly:k=auto", "--duration", "3", "--max-tokens", "8", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    for users in ("1", "2"):
+        for method in ("ar", "fly:k=auto"):
+            s = summary[users][method]
+            assert s["requests"] >= 1 and s["failures"] == 0 and s["tokens"] > 0, s
+            assert s["tokens_per_s"] > 0 and s["p50_ttft_s"] <= s["p50_latency_s"]
+        assert summary[users]["ar"]["drafts_per_round"] == [0.0] * summary[users]["ar"]["requests"]
+    assert (tmp_path / "ar-u1.csv").is_file() and "| 2 | fly:k=auto |" in (tmp_path / "summary.md").read_text()
