@@ -50,13 +50,16 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--k", type=int, nargs="+", default=[10])
     ap.add_argument("--drafters", nargs="+", default=["int8", "bf16"])
+    ap.add_argument(
+        "--dtype", default="auto", help="target precision (auto: bf16 where the hardware has it, else fp32)"
+    )
     ap.add_argument("--min-confidence", type=float, default=0.0, help="ModelDrafter.min_confidence")
     ap.add_argument("--extra", action="store_true", help="also theta / entropy / window variants")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     torch.manual_seed(0)
     tok = load_tokenizer(DEFAULT_TARGET)
-    target = load_model(DEFAULT_TARGET, "bf16")
+    target = load_model(DEFAULT_TARGET, args.dtype)
     prompt = chat_prompt(tok, PROMPT)
     base = dict(max_tokens=args.max_tokens, temperature=0.0)
     results = []

@@ -25,7 +25,7 @@ class AppArgs(BaseModel):
     target: str = DEFAULT_TARGET
     drafter: str | None = DEFAULT_DRAFTER  # None: no draft model (ar and pld modes only)
     tiny: bool = False  # tiny random models ("tiny:0" target, "tiny:1" drafter), for tests
-    dtype: str = "bf16"
+    dtype: str = "auto"
     drafter_precision: str = "int8"
     tp_size: int = 1
     max_batch: int = 8

@@ -59,8 +59,16 @@ class _Timing:
 
 
 class EngineLoop:
-    def __init__(self, engine: Engine, metrics=None, round_timeout_s: float = float("inf")):
+    def __init__(
+        self,
+        engine: Engine,
+        metrics=None,
+        round_timeout_s: float = float("inf"),
+        on_round_failed: Callable[[str], None] | None = None,
+    ):
+        """on_round_failed(reason): told when a round fails (from the engine thread; must not block)."""
         self.engine, self.metrics = engine, metrics
+        self.on_round_failed = on_round_failed
         self.round_timeout_s = round_timeout_s
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.wake = threading.Event()
@@ -148,10 +156,16 @@ class EngineLoop:
             result = self.engine.step()
         except Exception as e:  # the engine retries and isolates itself; this is what is left
             log.exception("round failed")
-            self._fail_running(f"{type(e).__name__}: {e}")
+            reason = f"{type(e).__name__}: {e}"
+            self._fail_running(reason)
+            if self.on_round_failed is not None:
+                self.on_round_failed(reason)
             return
         finally:
             self.round_started = None
+        if result.failed and len(result.failed) == len(result.advanced) and self.on_round_failed is not None:
+            # every row failed, even after the engine's retry and bisection: a part is down
+            self.on_round_failed(result.failed[0].error or "the round failed")
         self._count_round(result)
         self._publish(result.advanced)
 

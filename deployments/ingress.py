@@ -301,7 +301,10 @@ class Ingress:
         if lookup_handle is not None:
             engine.drafters["lookup"] = RemoteLookup(lookup_handle, remote_timeout_s)
         self.metrics = ServingMetrics()
-        self.loop = EngineLoop(engine, self.metrics, round_timeout_s)
+        self.loop = EngineLoop(engine, self.metrics, round_timeout_s, on_round_failed=self._watch_target)
+        self.target_handle = target_handle
+        self.target_down: str | None = None  # why the last round failed, until the target answers again
+        self._watching = threading.Lock()
         self.slots = Slots(max_batch + max_waiting)
         self.draining = False
         self.ready = threading.Event()
@@ -329,10 +332,34 @@ class Ingress:
             self.ready.set()
             log.info("fly: ready, every model deployment answers")
 
+    def _watch_target(self, reason: str) -> None:
+        """After a failed round: unhealthy (/healthz and new requests 503, Retry-After) until the
+        target answers its health check again. A dead TP rank makes Serve rebuild the group (tens
+        of seconds); a round that failed for another reason clears at the first probe."""
+        self.target_down = reason
+        if self._watching.acquire(blocking=False):
+            threading.Thread(target=self._probe_target, name="fly-target-watch", daemon=True).start()
+
+    def _probe_target(self) -> None:
+        try:
+            while not self._probe_stop.is_set():
+                try:
+                    wait(self.target_handle.healthy.remote(), PROBE_TIMEOUT_S, "target (health)")
+                    break
+                except Exception as e:
+                    log.info("fly: the target is not healthy yet (%s)", type(e).__name__)
+                    self._probe_stop.wait(PROBE_RETRY_S)
+            log.info("fly: the target answers again after a failed round")
+            self.target_down = None
+        finally:
+            self._watching.release()
+
     def _state(self) -> tuple[str, str]:
         """(status, why) for /healthz and admission: ready, unhealthy, draining or loading."""
         if problem := self.loop.problem():
             return "unhealthy", problem
+        if self.target_down:
+            return "unhealthy", "the target is recovering from a failed round; retry shortly"
         if self.draining:
             return "draining", "the service is shutting down; retry on another replica"
         if not self.ready.is_set():

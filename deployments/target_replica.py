@@ -161,7 +161,7 @@ class TargetDeployment:
     def __init__(
         self,
         target: str,
-        dtype: str = "bf16",
+        dtype: str = "auto",
         tp_size: int = 1,
         n_slots: int = 8,
         threads: int | None = None,
@@ -255,6 +255,11 @@ class TargetDeployment:
             raise TimeoutError(f"a round has run for over {self.round_timeout_s} s")
         if self.workers and not await asyncio.to_thread(self._ranks_answer):
             raise TPGroupBroken(self.broken)
+
+    async def healthy(self) -> bool:
+        """check_health for callers (the ingress, after a failed round): True or the error."""
+        await self.check_health()
+        return True
 
     def _ranks_answer(self) -> bool:
         """Every rank answers a ping in time; if not, the group is broken."""

@@ -45,9 +45,9 @@ class Output:
     accepted: int | None = None
     loosely: int | None = None
     finish_reason: str | None = None
-    # engine only: [start, end) of the output tokens committed by the round that made the first
-    # loose accept (the stats count loose accepts per round, not their positions); None: none
-    first_loose: list[int] | None = None
+    # engine only: the output position (0-based) of the first loosely accepted token (the engine's
+    # RequestStats.first_loose_pos); None: none reached the output
+    first_loose_pos: int | None = None
 
 
 def parse_value(text: str):
@@ -93,18 +93,10 @@ def parse_method(spec: str) -> Method:
 
 # ---- running
 def run_engine(engine, method: Method, prompts: list[list[int]], settings: list[dict]) -> list[Output]:
-    """All prompts as one batch of the engine (engine.generate's loop, watching each round for the
-    first loose accept); settings: per prompt max_tokens, temperature, seed, stop. Wall time is
-    shared evenly by the batch's samples."""
+    """All prompts as one batch of the engine (engine.generate); settings: per prompt max_tokens,
+    temperature, seed, stop. Wall time is shared evenly by the batch's samples."""
     t0 = time.perf_counter()
-    reqs = [engine.add(p, {"mode": method.base, **method.options, **s}) for p, s in zip(prompts, settings)]
-    first_loose: dict[str, list[int]] = {}
-    while not all(r.finished for r in reqs):
-        before = {r.id: (len(r.generated), r.stats.loosely_accepted) for r in reqs if r.id not in first_loose}
-        engine.step()
-        for r in reqs:
-            if r.id in before and r.stats.loosely_accepted > before[r.id][1]:
-                first_loose[r.id] = [before[r.id][0], len(r.generated)]
+    reqs = engine.generate(prompts, [{"mode": method.base, **method.options, **s} for s in settings])
     wall = time.perf_counter() - t0
     outs = []
     for r in reqs:
@@ -121,7 +113,7 @@ def run_engine(engine, method: Method, prompts: list[list[int]], settings: list[
                 s.accepted,
                 s.loosely_accepted,
                 r.finish_reason,
-                first_loose.get(r.id),
+                s.first_loose_pos,
             )
         )
     return outs

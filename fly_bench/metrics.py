@@ -35,8 +35,11 @@ class Row:
     divergence_median: float | None  # first token where the output parts from ar's
     diverged_early: int | None  # ... of those, how many within the first EARLY tokens
     with_loose: int | None = None  # samples with a loose accept (engine methods)
-    first_loose_median: float | None = None  # where the round of the first loose accept began
-    loose_early: int | None = None  # ... of those, how many began within the first EARLY tokens
+    first_loose_median: float | None = None  # output position of the first loosely accepted token
+    loose_early: int | None = None  # ... of those, how many within the first EARLY tokens
+    # True: every position is exact (first_loose_pos); False: some are the start of the round
+    # that made the first loose accept (results written before the engine reported the position)
+    first_loose_exact: bool | None = None
     flipped: list = field(default_factory=list)  # [(problem, sample, direction, divergence)]
 
     def as_dict(self) -> dict:
@@ -127,15 +130,27 @@ def against_ar(records: list[dict], ar: list[dict], n_boot: int, seed: int) -> d
     )
 
 
+def first_loose_position(record: dict) -> tuple[int | None, bool]:
+    """(output position of the sample's first loose accept or None, whether it is exact). A record
+    with `first_loose_pos` has the exact position; an older one only [start, end) of the round
+    that made it (`first_loose`), whose start stands in for it."""
+    if "first_loose_pos" in record:
+        return record["first_loose_pos"], True
+    span = record.get("first_loose")
+    return (span[0] if span else None), False
+
+
 def loose_positions(records: list[dict]) -> dict:
     """Where the first loose accept happened, over the samples that had one."""
     if all(r.get("rounds") is None for r in records):
         return {}
-    starts = [r["first_loose"][0] for r in records if r.get("first_loose")]
+    found = [first_loose_position(r) for r in records]
+    starts = [pos for pos, _ in found if pos is not None]
     return dict(
         with_loose=len(starts),
         first_loose_median=float(np.median(starts)) if starts else None,
         loose_early=sum(s < EARLY for s in starts),
+        first_loose_exact=all(exact for pos, exact in found if pos is not None) if starts else None,
     )
 
 

@@ -9,7 +9,8 @@ from .metrics import Row
 
 COLUMNS = (
     "dataset | T | batch | method | problems | tok/s | vs ar | tau | accuracy | recovery [95% CI] | "
-    "identical to ar | flips -/+ | first divergence (median; < 8 tokens) | first loose accept (median; < 8 tokens)"
+    "identical to ar | flips -/+ | first divergence (median; < 8 tokens) | "
+    "first loose accept (exact position: median; < 8 tokens)"
 )
 
 
@@ -25,7 +26,9 @@ def table_line(r: Row) -> str:
     flips = "-" if r.pass_to_fail is None else f"{r.pass_to_fail}/{r.fail_to_pass}"
     parted = None if r.compared is None else r.compared - r.identical
     divergence = "-" if not parted else f"{r.divergence_median:.0f}; {r.diverged_early}/{parted}"
-    loose = "-" if not r.with_loose else f"{r.first_loose_median:.0f}; {r.loose_early}/{r.with_loose}"
+    loose = "-"
+    if r.with_loose:  # "~": some positions are only the start of their round (older results)
+        loose = f"{'' if r.first_loose_exact else '~'}{r.first_loose_median:.0f}; {r.loose_early}/{r.with_loose}"
     speedup = "-" if r.speedup is None else f"{r.speedup:.2f}x"
     cells = [
         r.dataset,

@@ -33,7 +33,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "--methods",
         nargs="+",
         default=list(DEFAULT_METHODS),
-        help="name or name:key=value,... (an ablation, e.g. fly:theta=0.6,window=4); engine modes, "
+        help="name or name:key=value,... (an ablation, e.g. fly:theta=0.6,window=4 or fly:rho=0.1); engine modes, "
         "fly-nomla, hf-greedy, hf-assisted, hf-pld",
     )
     p.add_argument(
@@ -41,7 +41,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
         nargs="+",
         default=[],
         metavar="KEY=V1,V2",
-        help="add a fly method for every combination, e.g. --sweep theta=0.1,0.3,0.6 window=4,6",
+        help="add a fly method for every combination, e.g. --sweep theta=0.1,0.3,0.6 window=4,6 rho=0,0.1",
     )
     p.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 8], help="engine methods; peers run at 1")
     p.add_argument("--temperatures", nargs="+", type=float, default=[0.0])
@@ -61,7 +61,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--report-only", action="store_true", help="no generation: figures from results.jsonl")
     p.add_argument("--target", default=None, help="model name (default: the embedded target)")
     p.add_argument("--drafter", default=None, help="model name (default: the embedded drafter)")
-    p.add_argument("--dtype", default="bf16", help="target precision")
+    p.add_argument("--dtype", default="auto", help="target precision (auto: bf16 where the hardware has it, else fp32)")
     p.add_argument("--drafter-precision", default="int8")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
 
@@ -94,7 +94,7 @@ def load_pair(args, methods: list[Method]) -> Bench:
     import torch
 
     from fly_serve.build import build_engine
-    from fly_serve.loading import eos_ids, load_model, load_tokenizer
+    from fly_serve.loading import eos_ids, load_model, load_tokenizer, resolve_precision
     from fly_serve.weights import DEFAULT_DRAFTER, DEFAULT_TARGET
 
     if args.threads:
@@ -111,11 +111,12 @@ def load_pair(args, methods: list[Method]) -> Bench:
     if any(m.kind == "hf" for m in methods):
         peer = Peer(target, drafter, tokenizer, sorted(eos_ids(target, tokenizer)))
     notes = [
-        f"pair: target {target_name} ({args.dtype}), drafter {drafter_name} ({args.drafter_precision})",
+        f"pair: target {target_name} ({resolve_precision(args.dtype)}), "
+        f"drafter {drafter_name} ({args.drafter_precision})",
         "first divergence: the first token where an output parts from ar's (same dataset, T, batch, sample); "
-        "bf16 verification can part outputs too (compare the spd row). First loose accept: the output position "
-        "where the round that first loosely accepted a draft began (the engine counts loose accepts per round, "
-        "so the position is known to within that round's k + 1 tokens)",
+        "bf16 verification can part outputs too (compare the spd row). First loose accept: the exact output "
+        "position (0-based) of the first loosely accepted token that reached the output (the engine's "
+        "first_loose_pos); ~ marks figures from older results that only knew the start of that round",
     ]
     if peer:
         notes.append(
@@ -210,7 +211,7 @@ def record(problem, method, batch, temperature, sample, out: Output, value: floa
         accepted=out.accepted,
         loosely=out.loosely,
         finish_reason=out.finish_reason,
-        first_loose=out.first_loose,
+        first_loose_pos=out.first_loose_pos,
         token_ids=out.token_ids,
         text=out.text,
         **problem.meta,

@@ -53,8 +53,19 @@ def params_from(args) -> Params:
 def add_pair(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=DEFAULT_TARGET, help="model name, local directory or hub id")
     p.add_argument("--drafter", default=DEFAULT_DRAFTER, help="model name, local directory or hub id")
-    p.add_argument("--dtype", choices=list(DTYPES), default="bf16", help="target precision")
+    p.add_argument(
+        "--dtype",
+        choices=["auto", *DTYPES],
+        default="auto",
+        help="target precision (auto: bf16 with hardware bf16, else fp32)",
+    )
     p.add_argument("--drafter-precision", choices=PRECISIONS, default="int8")
+    p.add_argument(
+        "--drafter-head-cut",
+        type=int,
+        default=None,
+        help="cut the drafter's lm_head to the ids below this (plus the tokenizer's added tokens)",
+    )
     p.add_argument(
         "--draft-min-confidence",
         type=float,
@@ -77,6 +88,7 @@ def generate(args) -> None:
         args.drafter if params.mode_spec.drafter == "model" else None,
         dtype=args.dtype,
         drafter_precision=args.drafter_precision,
+        drafter_head_cut=args.drafter_head_cut,
         max_batch=1,
         draft_min_confidence=args.draft_min_confidence,
         progress=progress,

@@ -463,6 +463,7 @@ def run(args: argparse.Namespace) -> TuneResult:
         args.drafter,
         dtype=args.dtype,
         drafter_precision=args.drafter_precision,
+        drafter_head_cut=args.drafter_head_cut,
         max_batch=max(s.batch_sizes),
         draft_min_confidence=args.draft_min_confidence,
         progress=log,

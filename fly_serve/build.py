@@ -2,6 +2,7 @@
 
 from .drafters import ModelDrafter
 from .engine import Engine
+from .head_cut import check_head_cut
 from .loading import eos_ids, load_model, load_tokenizer
 from .model_scorer import ModelScorer
 from .params import Params
@@ -22,8 +23,9 @@ def build_engine(
     drafter=DEFAULT_DRAFTER,
     *,
     tokenizer=None,
-    dtype: str = "bf16",
+    dtype: str = "auto",
     drafter_precision: str = "int8",
+    drafter_head_cut: int | None = None,
     max_batch: int = 8,
     max_model_len: int = 4096,
     defaults: Params | None = None,
@@ -34,7 +36,10 @@ def build_engine(
 ) -> Engine:
     """target / drafter: a model name (loading.py) or a loaded model; drafter None: no draft
     model (modes ar and pld). With a loaded target, pass its tokenizer. kv_budget_tokens: tokens
-    each KV cache holds (default: max_batch sequences of 4096); requests are admitted within it."""
+    each KV cache holds (default: max_batch sequences of 4096); requests are admitted within it.
+    drafter_head_cut: cut a drafter loaded by name to the lm_head rows of ids below it (head_cut.py);
+    ignored without a drafter, refused with a loaded one (cut that with head_cut.cut_head)."""
+    check_head_cut(drafter_head_cut, "drafter_head_cut")
     if tokenizer is None:
         if not isinstance(target, str):
             raise ValueError("tokenizer: required when the target is an already-loaded model")
@@ -44,7 +49,9 @@ def build_engine(
     if drafter is not None:
         if isinstance(drafter, str):
             check_same_tokenizer(tokenizer, load_tokenizer(drafter, progress))
-            drafter = load_model(drafter, drafter_precision, progress=progress)
+            drafter = load_model(drafter, drafter_precision, progress=progress, head_cut=drafter_head_cut)
+        elif drafter_head_cut is not None:  # cutting a caller's model in place would surprise it
+            raise ValueError("drafter_head_cut: only for a drafter given by name (cut a loaded one: head_cut.cut_head)")
         check_widths(target_model, drafter, tokenizer)
         draft = ModelDrafter(
             drafter,

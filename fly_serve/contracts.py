@@ -57,13 +57,17 @@ class Verdict:
     the nucleus is never loosely accepted).
     topk [B, K+1, n]: the ids of the target's n likeliest tokens (greedy logits, best first) at
     each position, valid up to each row's draft count; Token Recycling learns from them (None: the
-    scorer does not report them)."""
+    scorer does not report them).
+    plausibility [B, K]: p(d_i) / max_v p(v) under the distribution the gate reads (greedy rows:
+    softmax of the logits; sampling rows: the processed one), for the plausibility guard (a
+    request's rho); None: the scorer does not report it (rows with rho > 0 then decide strictly)."""
 
     ok: torch.Tensor
     y: torch.Tensor
     h: torch.Tensor | None
     support: torch.Tensor
     topk: torch.Tensor | None = None
+    plausibility: torch.Tensor | None = None
 
 
 class DraftSource(Protocol):

@@ -28,7 +28,7 @@ from .request_stats import RequestStats
 from .speculation_policy import MODEL, NONE, PLD, RECYCLE, SUFFIX, RowInfo, SpeculationPolicy
 from .suffix_index import SuffixIndex
 from .token_recycling import TokenRecycling
-from .verify import decide, window_positions
+from .verify import decide, plausible_mask, window_positions
 
 log = logging.getLogger("fly_serve.engine")
 
@@ -259,7 +259,11 @@ class Engine:
             result.drafted += n
             result.accepted += a - n_loose[b]
             result.loosely_accepted += n_loose[b]
-            result.emitted += self._commit(req, drafts.tokens[b][:a] + [y[b][a]])
+            before = len(req.generated)
+            committed = self._commit(req, drafts.tokens[b][:a] + [y[b][a]])
+            result.emitted += committed
+            if n_loose[b]:
+                req.stats.note_loose(before, loosely[b], committed)
         self.policy.record(
             [r.key for r in rows],
             [len(d) for d in drafts.tokens],
@@ -331,7 +335,19 @@ class Engine:
         n = torch.tensor([len(d) for d in drafts.tokens])
         theta = torch.tensor([r.params.theta if r.params.mode_spec.loose else 1.0 for r in batch])
         check, span = zip(*(window_positions(r.params.effective_window, r.params.window_rule) for r in batch))
-        return decide(verdict.ok, verdict.h, n, theta, torch.tensor(check), torch.tensor(span), verdict.support)
+        guard = self._plausible(batch, verdict)
+        return decide(verdict.ok, verdict.h, n, theta, torch.tensor(check), torch.tensor(span), verdict.support, guard)
+
+    @staticmethod
+    def _plausible(batch: list[Request], verdict) -> torch.Tensor | None:
+        """The plausibility guard [B, K] of rows with rho > 0 (None: no row has one). A scorer
+        that reports no ratio leaves those rows strict: a guard asked for is never skipped."""
+        rho = torch.tensor([float(r.params.rho) if r.params.mode_spec.loose else 0.0 for r in batch])
+        if not (rho > 0).any():
+            return None
+        if verdict.plausibility is None:
+            return (rho == 0)[:, None].expand_as(verdict.ok)
+        return plausible_mask(verdict.plausibility, rho)
 
     def _commit(self, req: Request, new: list[int]) -> int:
         """Append a round's tokens, applying EOS, max_tokens and stop strings; returns how many."""

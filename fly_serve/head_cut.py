@@ -16,10 +16,17 @@ import torch
 from torch import nn
 
 
+def check_head_cut(value, field: str = "head_cut") -> int | None:
+    """`value` if it is None or a positive int (not a bool), else a ValueError naming `field`."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"{field}: must be a positive number of token ids or None (got {value!r})")
+    return value
+
+
 def kept_ids(n: int, width: int, always: list[int] | tuple[int, ...] = ()) -> torch.Tensor:
     """Sorted LongTensor of ids below n plus `always` (ids past `width` dropped)."""
-    if n < 1:
-        raise ValueError(f"head_cut: must be a positive number of token ids (got {n})")
+    if check_head_cut(n) is None:
+        raise ValueError("head_cut: a cut needs a number of token ids (got None)")
     ids = set(range(min(n, width))) | {int(i) for i in always if 0 <= int(i) < width}
     return torch.tensor(sorted(ids), dtype=torch.long)
 

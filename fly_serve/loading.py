@@ -1,7 +1,7 @@
 """The one way to load a model: a name in, a ready model (or tokenizer, config, EOS ids) out.
 
 A name is "tiny:N" (a tiny random model, tiny.py), an embedded default model, a local
-directory or a hub id (weights.resolve). Precision: "bf16", "fp32", or "int8" (torch dynamic
+directory or a hub id (weights.resolve). Precision: "auto" (resolve_precision), "bf16", "fp32", or "int8" (torch dynamic
 quantization with per-channel weights, CPU only: a drafter's precision), quantized once and kept
 in the cache (weights.converted_path), so a start loads it instead of quantizing again. A drafter
 may also cut its lm_head to the ids below `head_cut` (head_cut.py). A tensor-parallel rank reads
@@ -22,7 +22,7 @@ from .tiny import tiny_model, tiny_tokenizer
 from .weights import converted_path, load_converted, resolve
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-PRECISIONS = ("bf16", "fp32", "int8")
+PRECISIONS = ("auto", "bf16", "fp32", "int8")
 _TINY = re.compile(r"tiny:(\d+)$")
 
 
@@ -30,6 +30,23 @@ def tiny_seed(name: str) -> int | None:
     """The seed of a "tiny:N" name, else None."""
     m = _TINY.match(name)
     return int(m.group(1)) if m else None
+
+
+def cpu_has_bf16() -> bool:
+    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX)."""
+    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(getattr(torch.cpu, p, lambda: False)() for p in probes)
+
+
+def resolve_precision(precision: str) -> str:
+    """The precision "auto" stands for: bf16 on a GPU or on a CPU with bf16 instructions, else fp32. Without them torch
+    emulates bf16 matmuls, so a forward over T tokens costs about T one-token forwards and a
+    verification of k drafts costs as much as k plain steps: speculation cannot pay. Measured on a
+    2-core AVX2 CPU (benchmarks/forward_cost.py, 1.5B target, after 200 cached): 1 / 16 tokens took
+    185 / 2382 ms in bf16 and 312 / 1037 ms in fp32."""
+    if precision != "auto":
+        return precision
+    return "bf16" if torch.cuda.is_available() or cpu_has_bf16() else "fp32"
 
 
 def on_device(model):
@@ -61,6 +78,7 @@ def load_model(
     below it and of the tokenizer's added tokens (a drafter's option, head_cut.py)."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision: must be one of {', '.join(PRECISIONS)} (got {precision!r})")
+    precision = resolve_precision(precision)
     if precision == "int8" and (world > 1 or torch.cuda.is_available()):
         raise ValueError("precision: int8 (torch dynamic quantization) runs on one CPU process only; use bf16 on GPUs")
     if head_cut is not None and (world > 1 or not isinstance(head_cut, int) or head_cut < 1):

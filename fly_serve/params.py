@@ -57,6 +57,10 @@ def knob(default, help: str, api: str | None = "fly", choices=None, **kw):
     return field(default=default, metadata=meta, **kw)
 
 
+def _int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 def default_window(k: int) -> int:
     """W when the request sets none: 6 (the paper's), but always < k so a window fits a round."""
     return max(0, min(6, k - 1))
@@ -76,6 +80,11 @@ class Params:
         None, "W: a deferred mismatch is kept if the next W positions match (default min(6, k - 1))"
     )
     entropy: str = knob("topk", "entropy the gate reads", choices=ENTROPIES)
+    rho: float = knob(
+        0.0,
+        "plausibility guard: defer a mismatch only where the target's probability of the draft is "
+        ">= rho times its top probability (0: off; 1: only drafts tied with the target's top)",
+    )
     window_rule: str = knob("paper", "paper: W positions after a mismatch; authors: W - 1", choices=WINDOW_RULES)
     mla: bool = knob(True, "model drafter accelerated by prompt lookup")
     mla_sources: str = knob(
@@ -98,8 +107,14 @@ class Params:
         return cls(**d)
 
     def merged(self, overrides: dict) -> "Params":
-        """These params (a profile's defaults) with a request's fields on top."""
-        return Params.from_dict({**self.__dict__, **overrides})
+        """These params (a profile's defaults) with a request's fields on top. A profile's window
+        that does not fit under the request's k is dropped for the derived one (default_window):
+        a request for k = 3 gets W = 2, not a 400 about a window it did not send."""
+        out = Params.from_dict({**self.__dict__, **overrides})
+        if "window" not in overrides and out.window is not None and _int(out.k_cap) and _int(out.window):
+            if out.window >= out.k_cap:
+                out.window = None
+        return out
 
     @property
     def mode_spec(self) -> Mode:
@@ -150,6 +165,8 @@ class Params:
             bad("k_max", "must be an integer >= 1")
         if not is_num(self.theta) or not 0 <= self.theta <= 1:
             bad("theta", "must be in [0, 1]")
+        if not is_num(self.rho) or not 0 <= self.rho <= 1:
+            bad("rho", "must be in [0, 1]")
         if self.window is not None and (not is_int(self.window) or self.window < 0):
             bad("window", "must be an integer >= 0")
         if self.mode_spec.loose and self.effective_window >= self.k_cap:

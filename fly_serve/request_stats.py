@@ -15,6 +15,9 @@ class RequestStats:
     draft_s: float = 0.0  # time of the rounds this request took part in, by phase
     verify_s: float = 0.0
     decide_s: float = 0.0
+    # position in the output tokens (0-based) of the first loosely accepted draft that reached the
+    # output; None: none did
+    first_loose_pos: int | None = None
 
     def add_round(self, drafted: int, accepted: int, loosely: int, round_) -> None:
         """Count one round: `accepted` exact and `loosely` kept of `drafted` drafts; round_ gives
@@ -29,6 +32,16 @@ class RequestStats:
         self.draft_s += round_.draft_s
         self.verify_s += round_.verify_s
         self.decide_s += round_.decide_s
+
+    def note_loose(self, emitted_before: int, loosely, committed: int) -> None:
+        """Record where the first loose accept sits: `loosely` [K] marks this round's loosely kept
+        drafts (draft i is output token emitted_before + i); only the `committed` tokens that
+        reached the output count (an EOS or max_tokens cut drops the rest)."""
+        if self.first_loose_pos is not None:
+            return
+        kept = [i for i, loose in enumerate(loosely.tolist()) if loose and i < committed]
+        if kept:
+            self.first_loose_pos = emitted_before + kept[0]
 
     @property
     def tau(self) -> float:

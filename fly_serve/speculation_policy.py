@@ -419,8 +419,11 @@ def plan(rows: list[RowInfo], cost: RoundCostModel, max_iter: int = 12) -> Plan:
         i = int(np.argmax(rates))
         return float(rates[i]), k[i]
 
-    ks = floor
-    lam = float(rate_of(ks)[0])
+    # Start from the best uniform allocation (every row at min(j, its cap), j = 0..K): a verify(n)
+    # that jumps before it flattens (a CPU's one-token forward takes a faster kernel than a
+    # two-token one) makes every single first draft a loss while k = 7 is a gain; the threshold
+    # iteration alone would stay at k = 0, a local optimum.
+    lam, ks = best_of(np.maximum(np.minimum(np.arange(K + 1)[:, None], cap), floor))
     for _ in range(max_iter):
         # The target's seconds per draft, either side of the current token count and between.
         n = int(ks.sum())

@@ -41,6 +41,30 @@ def greedy_check(logits: torch.Tensor, drafts: torch.Tensor, n: torch.Tensor) ->
     return ok, y
 
 
+def plausibility_from_logits(logits: torch.Tensor, drafts: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """p(d_i) / max_v p(v) under softmax(logits) (the distribution a greedy row's gate reads), as
+    exp(logit of d_i - logit of the argmax y_i): two gathers, no softmax over the vocabulary.
+    logits [B, K+1, V]; drafts [B, K]; y [B, K+1] (greedy_check's). Returns [B, K] on the CPU."""
+    K = drafts.shape[1]
+    at = logits[:, :K]
+    own = at.gather(-1, drafts.to(at.device)[..., None]).squeeze(-1).float()
+    top = at.gather(-1, y[:, :K].to(at.device)[..., None]).squeeze(-1).float()
+    return torch.exp(own - top).cpu()
+
+
+def plausibility_from_probs(p: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
+    """p(d_i) / max_v p(v) for probabilities p [..., V] and drafts [...] (a sampling row's processed
+    distribution). Keeps p's dtype: no rounding beyond the one division."""
+    return p.gather(-1, drafts[..., None]).squeeze(-1) / p.max(-1).values
+
+
+def plausible_mask(ratio: torch.Tensor, rho: torch.Tensor) -> torch.Tensor:
+    """The plausibility guard [B, K]: a mismatch may be deferred only where the target's
+    probability of the draft is at least rho times its top probability. ratio [B, K] from
+    plausibility_from_*; rho [B] (0: no guard, every position passes)."""
+    return ratio >= rho[:, None].to(ratio.dtype)
+
+
 def window_positions(window: int, rule: str = "paper") -> tuple[int, int]:
     """(positions the window checks after a mismatch, positions it must fit in the round).
 
@@ -49,13 +73,15 @@ def window_positions(window: int, rule: str = "paper") -> tuple[int, int]:
     return (max(window - 1, 0) if rule == "authors" else window), window
 
 
-def decide(ok, h, n, theta, check, span=None, support=None):
+def decide(ok, h, n, theta, check, span=None, support=None, plausible=None):
     """FLy's decision for every row at once.
 
     ok [B, K] (False past n); h [B, K] or None; n [B]; theta [B] (>= 1: strict, standard
     speculative decoding); check [B] positions the window checks after a mismatch; span [B]
     positions it must fit (j + span <= n; default: check); support [B, K] or None: a mismatch
-    may be deferred only where the target gives the draft token p > 0.
+    may be deferred only where the target gives the draft token p > 0; plausible [B, K] or None:
+    likewise, only where the draft passes the plausibility guard (p(d) >= rho * max p, see
+    `plausible_mask`).
     Returns accept_len [B]: drafts kept, the emitted tokens being d_1..d_a then y_a; and
     loosely [B, K], the mismatches kept.
     """
@@ -71,6 +97,8 @@ def decide(ok, h, n, theta, check, span=None, support=None):
     deferred = ~ok & unsure & clean & fits
     if support is not None:
         deferred &= support
+    if plausible is not None:
+        deferred &= plausible
     stop = (~ok & ~deferred) | (i >= n[:, None])
     stop = torch.cat([stop, torch.ones(B, 1, dtype=torch.bool)], dim=1)
     accept_len = stop.int().argmax(1)  # first stop

@@ -123,7 +123,8 @@ class Client:
         t0 = time.monotonic()
         try:
             outcome, detail, tokens = getattr(self, f"_{kind}")(i, rng, early_timeout_s)
-        except openai.APITimeoutError as e:
+        except (openai.APITimeoutError, httpx.TimeoutException) as e:
+            # a stream's read timeout comes from httpx, unwrapped, while the client iterates the events
             outcome, detail, tokens = ("client_left" if kind == "leave_early" else "hung"), repr(e)[:200], 0
         except openai.APIStatusError as e:
             outcome, detail, tokens = self._status(e), f"{e.status_code} {e.message[:200]}", 0

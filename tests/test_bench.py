@@ -135,6 +135,29 @@ def test_summarize_from_known_records():
     assert fly.loosely == 4
 
 
+def test_exact_first_loose_position_is_used_where_present():
+    records = [
+        rec("ar", "p0", 1, [1, 2, 3], rounds=3),
+        rec("ar", "p1", 1, [4, 5, 6], rounds=3),
+        rec("ar", "p2", 1, [7, 8, 9], rounds=3),
+        rec("fly", "p0", 1, [1, 0, 3], rounds=1, loosely=1, first_loose=[0, 3]),
+        rec("fly", "p1", 1, [4, 5, 0], rounds=1, loosely=1, first_loose=[0, 3]),
+        rec("fly", "p2", 1, [7, 8, 9], rounds=1, loosely=1, first_loose=[0, 4]),
+    ]
+    for r, pos in zip(records[3:], [1, 12, None]):  # p2: its loose accept was cut by max_tokens
+        r["first_loose_pos"] = pos
+    fly = {r.method: r for r in metrics.summarize(records, n_boot=100)}["fly"]
+    assert (fly.with_loose, fly.first_loose_median, fly.loose_early, fly.first_loose_exact) == (2, 6.5, 1, True)
+    assert "| 6; 1/2 |" in report.table_line(fly)  # 6.5 rounds to even
+    del records[4]["first_loose_pos"]  # an older record: only the start of the round is known
+    fly = {r.method: r for r in metrics.summarize(records, n_boot=100)}["fly"]
+    assert (fly.first_loose_median, fly.loose_early, fly.first_loose_exact) == (0.5, 2, False)
+    assert "| ~0; 2/2 |" in report.table_line(fly)
+    assert metrics.first_loose_position({"first_loose_pos": None, "first_loose": [3, 5]}) == (None, True)
+    assert metrics.first_loose_position({"first_loose": [3, 5]}) == (3, False)
+    assert metrics.first_loose_position({}) == (None, False)
+
+
 def test_summarize_averages_samples_per_problem_first():
     records = [rec("ar", "p0", 1, [1]), rec("ar", "p1", 1, [1])]
     records += [rec("x", "p0", s, [1], sample=i) for i, s in enumerate([1, 1, 1, 0])] + [rec("x", "p1", 1, [1])]
@@ -181,10 +204,15 @@ def test_parse_method_and_its_errors():
         parse_method("fly:max_tokens=3")
     with pytest.raises(ValueError, match="expected key=value"):
         parse_method("fly:theta")
+    assert parse_method("fly:rho=0.1").options == {"rho": 0.1}  # the plausibility guard's ablation
+    with pytest.raises(ValueError, match="rho: must be in"):
+        parse_method("fly:rho=1.5")
 
 
 def test_sweep_expands_every_combination():
     assert run.sweep_methods(["theta=0.1,0.6", "window=4"]) == ["fly:theta=0.1,window=4", "fly:theta=0.6,window=4"]
+    assert run.sweep_methods(["rho=0,0.1"]) == ["fly:rho=0", "fly:rho=0.1"]
+    assert [parse_method(m).options for m in run.sweep_methods(["rho=0,0.1"])] == [{"rho": 0}, {"rho": 0.1}]
     with pytest.raises(ValueError, match="sweep"):
         run.sweep_methods(["theta"])
 
@@ -266,6 +294,12 @@ def test_bench_end_to_end_on_tiny_models_resumes(tmp_path):
         assert spd.identical == spd.compared  # tiny models run in fp32: strict SPD is exact
         assert got[(dataset, 0.0, 1, "hf-greedy")].identical == len(SAMPLE[dataset])  # transformers agrees
         assert got[(dataset, 1.0, 2, "fly")].samples == 2 * len(SAMPLE[dataset])
+    for line in lines:  # engine samples carry the exact position of their first loose accept
+        r = json.loads(line)
+        if r["rounds"] is not None:
+            pos = r["first_loose_pos"]
+            assert pos is None or 0 <= pos < r["tokens"]
+            assert pos is None or r["loosely"] > 0
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert len(summary["rows"]) == len(rows) and "hf-assisted" in (tmp_path / "summary.md").read_text()
     if datasets.importlib.util.find_spec("matplotlib") is not None:

@@ -8,7 +8,7 @@ import torch
 from fly_serve import prompt_lookup
 from fly_serve.build import build_engine
 from fly_serve.engine import Engine
-from fly_serve.params import ParamError
+from fly_serve.params import ParamError, Params
 from fly_serve.runner import Runner
 from fly_serve.tiny import tiny_model, tiny_tokenizer
 
@@ -181,6 +181,15 @@ def test_huge_seed_samples_and_window_defaults_below_k():
     eng = engine()
     req = eng.generate([PROMPTS[1]], dict(mode="fly", k=3, temperature=0.8, seed=2**62, max_tokens=8))[0]
     assert len(req.generated) == 8 and req.params.effective_window == 2
+
+
+def test_a_profile_window_that_does_not_fit_the_requests_k_is_derived():
+    profile = Params(mode="fly", k=15, window=6)
+    assert profile.merged({"k": 3}).effective_window == 2  # not a 400 about a window not sent
+    assert profile.merged({"k": 10}).effective_window == 6  # it fits: the profile's stays
+    assert profile.merged({"k": "auto", "k_max": 4}).effective_window == 3
+    with pytest.raises(ParamError, match="window"):  # a window the request sent is its own
+        engine().add(PROMPTS[0], profile.merged({"k": 3, "window": 6}))
 
 
 def test_fail_running_ends_the_batch_with_the_error():
@@ -473,3 +482,17 @@ def test_suffix_index_of_the_engine_stays_within_its_bound():
     assert eng.suffix_index.nbytes == nbytes  # fixed arrays: eviction, never growth
     assert eng.suffix_index.num_sequences < 4 * len(PROMPTS)  # the oldest were evicted
     assert eng.suffix_index.propose(PROMPTS[3], 3) == VARIED_AR[3][:3]  # the newest is there
+
+
+def test_auto_precision_follows_the_hardware(monkeypatch):
+    from fly_serve import loading
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(loading, "cpu_has_bf16", lambda: False)
+    assert loading.resolve_precision("auto") == "fp32"  # emulated bf16 would make verification cost linear
+    monkeypatch.setattr(loading, "cpu_has_bf16", lambda: True)
+    assert loading.resolve_precision("auto") == "bf16"
+    assert loading.resolve_precision("fp32") == "fp32" and loading.resolve_precision("int8") == "int8"
+    assert loading.load_model("tiny:0", "auto").dtype == torch.float32
+    with pytest.raises(ValueError, match="precision"):
+        loading.load_model("tiny:0", "fp8")

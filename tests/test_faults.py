@@ -7,19 +7,32 @@ Only processes this module started are killed: pids come from the replicas thems
 Every client call has a timeout; a call that reaches it counts as hung. Each test prints what it
 sent and how each request ended, and the time to recovery."""
 
-import json
 import os
 import signal
-import subprocess
 import sys
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 import pytest
 import requests
 from serve_fixture import ROOT, free_port, start_serve, stop_serve
+
+sys.path.insert(0, str(ROOT / "loadtest"))  # the fault mechanics, shared with loadtest/fault_run.py
+from faults import (  # noqa: E402
+    CLIENT_TIMEOUT_S,
+    DrafterWatch,
+    ServeProcess,
+    alive,
+    ancestors,
+    complete,
+    finished_normally,
+    fuzz_app,
+    in_flight,
+    kill_ours,
+    report,
+    tally,
+    wait_generating,
+    wait_status,
+)
 
 pytestmark = pytest.mark.serve
 
@@ -27,138 +40,10 @@ KV_BUDGET_TOKENS = 4096  # each KV cache, on every rank (3 requests of 600 token
 APP = {"tiny": True, "tp_size": 2, "max_batch": 8, "defaults": {"max_tokens": 8}, "kv_budget_tokens": KV_BUDGET_TOKENS}
 PROMPT = "def add(a, b):\n    return"
 LONG_TOKENS = 200  # an in-flight request: still generating when the fault comes
-CLIENT_TIMEOUT_S = 150.0  # a client waits this long for the next bytes; past it the call is hung
 RECOVERY_TIMEOUT_S = 180.0
 GRACE_S = 60.0  # `fly-serve serve --grace-s`
 SHUTDOWN_S = 60.0  # Serve and Ray stopping, after the grace period
 START_TIMEOUT_S = 300.0
-FUZZ_EXAMPLES = 25  # per operation and generation mode
-FUZZ_MAX_TOKENS = 8  # fuzzed bodies ask for at most this many tokens: the fuzz is about shapes
-
-
-# ---- clients
-@dataclass
-class Outcome:
-    kind: str  # "ok" (200, complete), "error" (a clean error answer), "dropped" (connection cut), "hung"
-    started: float  # time.monotonic()
-    ended: float
-    detail: str = ""
-    body: dict | None = None  # the response, or a stream's last chunk
-    longest_pause_s: float = 0.0  # a stream: the longest wait between two events
-
-
-def parse_sse(response: requests.Response) -> tuple[list[dict], bool, float]:
-    """A stream's JSON events, whether it ended with [DONE], and the longest pause between events."""
-    events, done, pause, last = [], False, 0.0, time.monotonic()
-    for line in response.iter_lines(decode_unicode=True):
-        if not line:
-            continue
-        now = time.monotonic()
-        pause, last = max(pause, now - last), now
-        data = line.removeprefix("data: ")
-        if data == "[DONE]":
-            done = True
-            break
-        events.append(json.loads(data))
-    return events, done, pause
-
-
-def complete(url: str, body: dict, stream: bool = False, path: str = "/v1/completions") -> Outcome:
-    """One request; never raises: how it ended is the outcome."""
-    t0 = time.monotonic()
-    try:
-        with requests.post(
-            f"{url}{path}", json={**body, "stream": stream}, stream=stream, timeout=CLIENT_TIMEOUT_S
-        ) as r:
-            if r.status_code != 200:
-                return Outcome("error", t0, time.monotonic(), f"{r.status_code} {r.text[:300]}")
-            if not stream:
-                return Outcome("ok", t0, time.monotonic(), body=r.json())
-            events, done, pause = parse_sse(r)
-    except requests.Timeout as e:
-        return Outcome("hung", t0, time.monotonic(), repr(e))
-    except requests.ConnectionError as e:  # ChunkedEncodingError too: the connection was cut
-        return Outcome("dropped", t0, time.monotonic(), repr(e))
-    errors = [e for e in events if "error" in e]
-    if errors:
-        return Outcome("error", t0, time.monotonic(), json.dumps(errors[0])[:300], longest_pause_s=pause)
-    if not done:
-        return Outcome("dropped", t0, time.monotonic(), "the stream ended without [DONE]", longest_pause_s=pause)
-    return Outcome("ok", t0, time.monotonic(), body=events[-1] if events else None, longest_pause_s=pause)
-
-
-def finished_normally(o: Outcome) -> bool:
-    """A whole answer: it ended by length or a stop, with tokens (a stream's last chunk too)."""
-    choice = o.body["choices"][0]
-    return choice["finish_reason"] in ("length", "stop") and o.body["usage"]["completion_tokens"] > 0
-
-
-def tally(outcomes: list[Outcome]) -> dict:
-    counts = {"sent": len(outcomes), "ok": 0, "error": 0, "dropped": 0, "hung": 0}
-    for o in outcomes:
-        counts[o.kind] += 1
-    return counts
-
-
-def report(title: str, **parts) -> None:
-    print(f"\n[faults] {title}: " + "; ".join(f"{k}={v}" for k, v in parts.items()), flush=True)
-
-
-def in_flight(url: str, body: dict, n_plain: int = 2, n_stream: int = 1):
-    """Starts n_plain + n_stream long requests; returns the pool and their futures."""
-    pool = ThreadPoolExecutor(n_plain + n_stream)
-    futures = [pool.submit(complete, url, body, s) for s in [False] * n_plain + [True] * n_stream]
-    return pool, futures
-
-
-def wait_generating(url: str, n: int, timeout_s: float = 60.0) -> None:
-    """Until n requests are running in the engine and a few rounds have passed."""
-    deadline, first_rounds = time.monotonic() + timeout_s, None
-    while time.monotonic() < deadline:
-        stats = requests.get(f"{url}/v1/fly/stats", timeout=10).json()
-        if stats["running"] >= n:
-            first_rounds = stats["rounds"] if first_rounds is None else first_rounds
-            if stats["rounds"] >= first_rounds + 3:
-                return
-        time.sleep(0.1)
-    raise AssertionError(f"{n} requests never ran together: {stats}")
-
-
-def wait_status(url: str, status: int, timeout_s: float) -> float | None:
-    """When (time.monotonic()) /healthz first answers `status`; None if not within timeout_s."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if requests.get(f"{url}/healthz", timeout=5).status_code == status:
-                return time.monotonic()
-        except requests.RequestException:
-            pass
-        time.sleep(0.1)
-    return None
-
-
-# ---- processes
-def ancestors(pid: int) -> list[int]:
-    chain = []
-    while pid > 1:
-        with open(f"/proc/{pid}/stat") as f:
-            pid = int(f.read().rsplit(")", 1)[1].split()[1])  # field 4, ppid (the name may hold spaces)
-        chain.append(pid)
-    return chain
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def kill_ours(pid: int) -> None:
-    """SIGKILL a Ray worker of this test's own Ray (never anything else)."""
-    assert pid != os.getpid() and os.getpid() in ancestors(pid), f"pid {pid} is not a process this test started"
-    os.kill(pid, signal.SIGKILL)
 
 
 def handle(deployment: str):
@@ -176,46 +61,10 @@ def ask(call, timeout_s: float = 5.0):
 
 
 # ---- c. graceful shutdown of `fly-serve serve` (first: it runs its own Ray, before the module's)
-class ServeProcess:
-    """`python -m fly_cli.main serve --tiny` in a session of its own, its output collected."""
-
-    def __init__(self, port: int):
-        self.lines: list[str] = []
-        env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "fly_cli.main", "serve", "--tiny", "--port", str(port), "--grace-s", str(GRACE_S)],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-        )
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.append(line.rstrip())
-
-    def wait_for(self, text: str, timeout_s: float) -> bool:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and self.proc.poll() is None:
-            if any(text in line for line in self.lines):
-                return True
-            time.sleep(0.5)
-        return any(text in line for line in self.lines)
-
-    def kill_group(self) -> None:
-        """Only when a test failed: the process and the Ray it started."""
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(timeout=30)
-
-
 def test_sigterm_lets_in_flight_requests_finish():
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    server = ServeProcess(port)
+    server = ServeProcess(port, tiny=True, grace_s=GRACE_S)
     try:
         assert server.wait_for("fly-serve: ready", START_TIMEOUT_S), "\n".join(server.lines[-40:])
         body = {"prompt": PROMPT, "max_tokens": LONG_TOKENS, "fly": {"mode": "ar"}}
@@ -261,74 +110,9 @@ def url():
 
 
 # ---- d. schemathesis on the app's own schema
-def served_openapi(url: str) -> tuple[dict, list[str]]:
-    """The app's own /openapi.json, and the POST routes whose request body it declares (the
-    fuzz sends bodies only where the schema says what they are)."""
-    doc = requests.get(f"{url}/openapi.json", timeout=30).json()
-    declared = [path for path, ops in doc["paths"].items() if "requestBody" in ops.get("post", {})]
-    return doc, declared
-
-
-def small(case):
-    """Fuzzed bodies ask for few tokens (each case is a real generation on 2 cores)."""
-    if isinstance(case.body, dict):
-        for field in ("max_tokens", "max_completion_tokens"):
-            if isinstance(case.body.get(field), int) and case.body[field] > FUZZ_MAX_TOKENS:
-                case.body[field] = FUZZ_MAX_TOKENS
-    return case
-
-
-@dataclass
-class Fuzzed:
-    cases: int = 0
-    statuses: dict | None = None  # status code -> count
-    server_errors: list | None = None
-
-
-def fuzz(op, mode, url: str, session: requests.Session) -> Fuzzed:
-    """FUZZ_EXAMPLES cases of one operation in one generation mode against the live app."""
-    from hypothesis import HealthCheck, given, settings
-    from schemathesis.checks import not_a_server_error
-
-    out = Fuzzed(0, {}, [])
-
-    @settings(
-        max_examples=FUZZ_EXAMPLES,
-        deadline=None,
-        database=None,
-        suppress_health_check=list(HealthCheck),
-        derandomize=True,  # the same cases every run
-    )
-    @given(case=op.as_strategy(generation_mode=mode).map(small))
-    def run(case):
-        out.cases += 1
-        response = case.call(base_url=url, session=session, timeout=CLIENT_TIMEOUT_S)
-        out.statuses[response.status_code] = out.statuses.get(response.status_code, 0) + 1
-        try:
-            case.validate_response(response, checks=[not_a_server_error])
-        except Exception:
-            out.server_errors.append(f"{response.status_code} {case.body!r:.300} -> {response.text[:300]}")
-            raise
-
-    try:
-        run()
-    except Exception as e:  # a server error is in out.server_errors; anything else is the test's
-        if not out.server_errors:
-            raise AssertionError(f"{op.method.upper()} {op.path} ({mode.value}): {e!r}") from e
-    return out
-
-
 def test_schemathesis_finds_no_server_error(url):
-    import schemathesis
-
-    doc, declared = served_openapi(url)
+    declared, results = fuzz_app(url)
     assert {"/v1/completions", "/v1/chat/completions"} <= set(declared), declared
-    schema = schemathesis.openapi.from_dict(doc)
-    session = requests.Session()
-    results: dict[str, Fuzzed] = {}
-    for op in (result.ok() for result in schema.include(method="POST").get_all_operations()):
-        for mode in (schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE):
-            results[f"{op.method.upper()} {op.path} ({mode.value})"] = fuzz(op, mode, url, session)
     report(
         "schemathesis",
         bodies_declared=declared,
@@ -341,31 +125,6 @@ def test_schemathesis_finds_no_server_error(url):
 
 
 # ---- a. the drafter replica killed mid-generation
-class DrafterWatch:
-    """Polls the drafter deployment in the background: when a replica other than `old_pid`
-    first reports model forwards (speculation with the model again)."""
-
-    def __init__(self, old_pid: int):
-        self.old_pid, self.drafter = old_pid, handle("FlyDrafter")
-        self.new_pid, self.cache, self.back_at = None, None, None
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        while not self.stop.is_set() and self.back_at is None:
-            pid = ask(self.drafter.pid.remote(), 2)
-            if pid not in (None, self.old_pid):
-                self.new_pid, self.cache = pid, ask(self.drafter.cache_report.remote(), 2)
-                if self.cache and self.cache["forwards"] > 0:
-                    self.back_at = time.monotonic()
-            self.stop.wait(0.25)
-
-    def close(self) -> None:
-        self.stop.set()
-        self.thread.join(timeout=10)
-
-
 def test_drafter_killed_mid_generation(url):
     old_pid = handle("FlyDrafter").pid.remote().result(timeout_s=30)
     # the tiny pair agrees on most drafts: small k keeps the requests in flight for many rounds
@@ -374,16 +133,17 @@ def test_drafter_killed_mid_generation(url):
     wait_generating(url, len(futures))
     t_kill = time.monotonic()
     kill_ours(old_pid)
-    watch = DrafterWatch(old_pid)
+    drafter = handle("FlyDrafter")
+    watch = DrafterWatch(old_pid, lambda: ask(drafter.pid.remote(), 2), lambda: ask(drafter.cache_report.remote(), 2))
     outcomes = [f.result() for f in futures]
     pool.shutdown()
     # later requests: speculate with the (new) drafter again
     watch.thread.join(timeout=RECOVERY_TIMEOUT_S)
     watch.close()
     probe = {"prompt": PROMPT, "max_tokens": 8, "fly": {"mode": "fly", "k": 2, "window": 1}}
-    cache_before = ask(watch.drafter.cache_report.remote(), 30)
+    cache_before = ask(drafter.cache_report.remote(), 30)
     probes = [complete(url, probe) for _ in range(3)]
-    cache_after = ask(watch.drafter.cache_report.remote(), 30)
+    cache_after = ask(drafter.cache_report.remote(), 30)
     report(
         "drafter replica SIGKILLed with 3 in flight (1 streaming)",
         in_flight=tally(outcomes),
@@ -452,6 +212,10 @@ def test_tp_rank_killed_mid_generation(url):
     assert all(o.kind in ("ok", "error") for o in outcomes), [(o.kind, o.detail) for o in outcomes]
     assert all(o.ended - t_kill < CLIENT_TIMEOUT_S for o in outcomes)
     assert recovered_s is not None, f"no request succeeded after the kill: {[p.detail for p in probes[-3:]]}"
+    # while the group was rebuilt, /healthz said so and new requests got a 503 to retry, never a 500
+    assert 503 in healthz, healthz
+    assert all(p.status == 503 for p in probes[:-1]), [(p.status, p.detail[:80]) for p in probes]
+    assert requests.get(f"{url}/healthz", timeout=10).status_code == 200
     # the group was rebuilt whole: a new replica with new ranks, and no old rank left behind
     assert new_replica not in (None, old_replica)
     assert new_ranks and not set(new_ranks) & set(old_ranks)

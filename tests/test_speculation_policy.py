@@ -270,6 +270,25 @@ def test_allocation_near_brute_force_on_any_curve():
         assert g.max() <= 0.2 and (g <= 1e-9).mean() >= 0.97
 
 
+def test_a_jump_from_one_to_two_tokens_does_not_hold_k_at_zero():
+    # tune-k's fp32 curve on a 2-core CPU: one token takes a faster kernel than two, so every first
+    # draft alone lowers the rate, while k = 7 raises it (the one-row optimum is found exactly).
+    cost = RoundCostModel(
+        {
+            "verify": {"tokens": [1, 2, 4, 8, 16, 32], "seconds": [0.288, 0.617, 0.751, 0.751, 0.956, 1.245]},
+            "draft": {"rows": [1, 2, 4, 8], "seconds": [0.038, 0.040, 0.042, 0.054]},
+        }
+    )
+    for a in (0.75, 0.86):
+        rows = [RowInfo("r", 15, acceptance=a)]
+        assert rate([1], rows, cost) < rate([0], rows, cost)
+        ks = allocate(rows, cost)
+        assert ks[0] > 1
+        assert rate(ks, rows, cost) == pytest.approx(brute_force(rows, cost))
+    rows = [RowInfo(str(b), 15, acceptance=0.8) for b in range(3)]
+    assert min(allocate(rows, cost)) > 0
+
+
 def test_caps_are_respected():
     rng = np.random.default_rng(5)
     for _ in range(100):

@@ -1,12 +1,28 @@
-"""Batched verification == the scalar reference, on random inputs; sampling is lossless."""
+"""Batched verification == the scalar reference, on random inputs; sampling is lossless; the
+plausibility guard (rho) and where the first loose accept sits, down to the engine on tiny models."""
 
+import dataclasses
+
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from reference import fly_reference
 
+from fly_serve.build import build_engine
+from fly_serve.params import ParamError, Params
+from fly_serve.request_stats import RequestStats
 from fly_serve.sampling import probs, speculative_row
-from fly_serve.verify import decide, entropy, greedy_check, window_positions
+from fly_serve.tiny import tiny_model, tiny_tokenizer
+from fly_serve.verify import (
+    decide,
+    entropy,
+    greedy_check,
+    plausibility_from_logits,
+    plausibility_from_probs,
+    plausible_mask,
+    window_positions,
+)
 
 
 @st.composite
@@ -23,8 +39,24 @@ def batches(draw):
         theta = draw(st.sampled_from([0.0, 0.3, 1.0]) | st.floats(0, 1, width=32))
         window = draw(st.integers(0, K + 1))
         support = draw(st.lists(st.booleans() | st.just(True), min_size=K, max_size=K))
-        rows.append((n, drafts, y, h, theta, window, support))
+        # The target's weights per position for the plausibility guard: small floats with ties and
+        # zeros (the rule is scale-free, so no normalization), at least one positive per position.
+        weight = st.sampled_from([0.0, 0.5, 1.0]) | st.floats(0, 1, width=32)
+        p = [draw(st.lists(weight, min_size=vocab, max_size=vocab)) for _ in range(K)]
+        p = [w if max(w) > 0 else [1.0] + w[1:] for w in p]
+        rho = draw(st.sampled_from([0.0, 0.5, 1.0]) | st.floats(0, 1, width=32))
+        rows.append((n, drafts, y, h, theta, window, support, p, rho))
     return K, rows, draw(st.sampled_from(["paper", "authors"]))
+
+
+def weights_tensor(rows, K: int) -> torch.Tensor:
+    """[B, K, max vocab] float64 (exact for the float32 draws), zero past a row's vocabulary."""
+    V = max((len(w) for r in rows for w in r[7]), default=1)
+    out = torch.zeros(len(rows), K, V, dtype=torch.float64)
+    for b, r in enumerate(rows):
+        for i, w in enumerate(r[7]):
+            out[b, i, : len(w)] = torch.tensor(w, dtype=torch.float64)
+    return out
 
 
 @settings(max_examples=400, deadline=None)
@@ -39,9 +71,11 @@ def test_decide_matches_reference(batch):
     check, span = (torch.tensor(v) for v in zip(*(window_positions(r[5], rule) for r in rows)))
     support = torch.tensor([r[6] for r in rows], dtype=torch.bool).reshape(len(rows), K)
     ok = (drafts == y[:, :-1]) & (torch.arange(K)[None] < n[:, None])
-    accept_len, loosely = decide(ok, h, n, theta, check, span, support)
-    for b, (nb, d, yb, hb, th, w, sup) in enumerate(rows):
-        emitted, kept, n_loose = fly_reference(d, yb, hb, nb, th, w, rule, sup)
+    rho = torch.tensor([r[8] for r in rows], dtype=torch.float64)
+    guard = plausible_mask(plausibility_from_probs(weights_tensor(rows, K), drafts), rho)
+    accept_len, loosely = decide(ok, h, n, theta, check, span, support, guard)
+    for b, (nb, d, yb, hb, th, w, sup, p, r) in enumerate(rows):
+        emitted, kept, n_loose = fly_reference(d, yb, hb, nb, th, w, rule, sup, p, r)
         a = int(accept_len[b])
         assert a == kept
         assert d[:a] + [yb[a]] == emitted
@@ -66,6 +100,147 @@ def test_special_values():
     assert run(unsure, 0.3, 0) == 5  # W = 0 accepts every deferred mismatch
     outside = torch.tensor([[True, False, True, True, True]])  # p(d_2) = 0: outside the nucleus
     assert run(unsure, 0.3, 3, support=outside) == 1
+
+
+def random_round(seed: int, B: int = 64, K: int = 8, V: int = 4, levels: int = 3):
+    """Greedy logits with many ties (integer values in [0, levels)) and random drafts: the
+    target's check of a round where every mismatch is unsure and the window is W = 0, so only
+    the guard can stop a deferral."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randint(0, levels, (B, K + 1, V), generator=g).float()
+    drafts = torch.randint(0, V, (B, K), generator=g)
+    n = torch.full((B,), K)
+    ok, y = greedy_check(logits, drafts, n)
+    loose = dict(h=torch.ones(B, K), n=n, theta=torch.zeros(B), check=torch.zeros(B, dtype=torch.long))
+    return logits, drafts, ok, y, loose
+
+
+def test_plausibility_from_logits_is_the_softmax_ratio():
+    logits, drafts, _, y, _ = random_round(0, levels=50)
+    logits = logits / 7  # not integers: a real ratio, not just 1 or e^-k
+    p = torch.softmax(logits[:, :-1], -1)
+    expected = p.gather(-1, drafts[..., None]).squeeze(-1) / p.max(-1).values
+    assert torch.allclose(plausibility_from_logits(logits, drafts, y), expected, atol=1e-6)
+    assert torch.allclose(plausibility_from_probs(p, drafts), expected, atol=1e-6)
+
+
+def test_rho_one_defers_only_drafts_tied_with_the_argmax():
+    logits, drafts, ok, y, loose = random_round(1)
+    tied = logits[:, :-1].gather(-1, drafts[..., None]).squeeze(-1) == logits[:, :-1].max(-1).values
+    guard = plausible_mask(plausibility_from_logits(logits, drafts, y), torch.ones(len(drafts)))
+    accept_len, loosely = decide(ok, **loose, plausible=guard)
+    assert loosely.any() and (tied[loosely]).all()  # some ties were kept, nothing else
+    # each row stops exactly at its first mismatch whose draft is not tied with the argmax
+    untied_miss = torch.cat([~ok & ~tied, torch.ones(len(drafts), 1, dtype=torch.bool)], 1)
+    assert accept_len.tolist() == untied_miss.int().argmax(1).tolist()
+    unguarded = decide(ok, **loose)[1]
+    assert (unguarded & ~tied).any()  # the guard is what removed them
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_rho_zero_changes_nothing(seed):
+    logits, drafts, ok, y, loose = random_round(seed, levels=50)
+    logits[:, :, 0] = float("-inf")  # a token with p = 0: ratio 0 still passes rho = 0
+    B, K = drafts.shape
+    ok, y = greedy_check(logits, drafts, loose["n"])
+    g = torch.Generator().manual_seed(seed)
+    loose.update(h=torch.rand(B, K, generator=g), theta=torch.rand(B, generator=g) * 0.5)
+    loose.update(check=torch.randint(0, 3, (B,), generator=g))
+    guard = plausible_mask(plausibility_from_logits(logits, drafts, y), torch.zeros(B))
+    assert guard.all()
+    without, with_zero = decide(ok, **loose), decide(ok, **loose, plausible=guard)
+    assert torch.equal(without[0], with_zero[0]) and torch.equal(without[1], with_zero[1])
+
+
+def test_first_loose_position_counts_only_tokens_that_reached_the_output():
+    stats = RequestStats()
+    stats.note_loose(5, torch.tensor([False, True, True]), committed=1)  # cut before the loose draft
+    assert stats.first_loose_pos is None
+    stats.note_loose(7, torch.tensor([False, False, True, True]), committed=5)
+    assert stats.first_loose_pos == 9
+    stats.note_loose(12, torch.tensor([True]), committed=2)  # a later one does not move it
+    assert stats.first_loose_pos == 9 and stats.as_dict()["first_loose_pos"] == 9
+
+
+# ---- the engine on tiny random models (fp32)
+# A tied-embedding random model mostly predicts its input token again, so two of them agree on
+# nearly every token; an untied drafter proposes tokens of its own, which FLy can then defer.
+TARGET, DRAFTER = tiny_model(seed=0), tiny_model(seed=1, num_hidden_layers=1, tie_word_embeddings=False)
+PROMPTS = [torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (3, 8, 13, 21)]
+
+
+def run_engine(**params):
+    """The four prompts as one batch, 30 tokens each (fly tests pass mla=False: the random target
+    repeats itself, and prompt lookup would draft it exactly, leaving nothing to defer)."""
+    eng = build_engine(TARGET, DRAFTER, tokenizer=tiny_tokenizer(), max_model_len=256)
+    eng.eos_ids = set()  # random models: run every request to max_tokens
+    return eng.generate(PROMPTS, dict(max_tokens=30, **params))
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    return None if a == b else next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def test_engine_guard_and_first_loose_position():
+    ar = [r.generated for r in run_engine(mode="ar")]
+    fly = dict(mode="fly", theta=0.0, window=0, mla=False)
+    loose = run_engine(**fly)
+    assert sum(r.stats.loosely_accepted for r in loose) > 0
+    # Greedy: every token before the first loose accept is the target's own, so the first loose
+    # accept is exactly where the output parts from ar's.
+    for r, want in zip(loose, ar):
+        assert r.stats.first_loose_pos == first_divergence(r.generated, want)
+        assert (r.stats.first_loose_pos is None) == (r.stats.loosely_accepted == 0)
+    # rho = 1: random fp32 logits have no ties, so nothing is deferred and fly is exact
+    guarded = run_engine(**fly, rho=1.0)
+    assert [r.generated for r in guarded] == ar
+    assert all(r.stats.loosely_accepted == 0 and r.stats.first_loose_pos is None for r in guarded)
+    # rho = 0 is the default: the same outputs as without it
+    assert [r.generated for r in run_engine(**fly, rho=0.0)] == [r.generated for r in loose]
+
+
+class GuardAfter:
+    """The real scorer, but its plausibility says "implausible" everywhere for the first `strict`
+    rounds and "tied with the top" after: with rho = 1 those rounds are strict, the later ones
+    defer every mismatch, so the first loose accept comes in a later round."""
+
+    def __init__(self, scorer, strict: int):
+        self.scorer, self.strict, self.calls = scorer, strict, 0
+        self.vocab_size = scorer.vocab_size
+
+    def verify(self, rows, drafts):
+        self.calls += 1
+        verdict = self.scorer.verify(rows, drafts)
+        fill = torch.zeros_like if self.calls <= self.strict else torch.ones_like
+        return dataclasses.replace(verdict, plausibility=fill(verdict.plausibility))
+
+    def release(self, keys):
+        self.scorer.release(keys)
+
+
+def test_engine_first_loose_position_in_a_later_round():
+    ar = [r.generated for r in run_engine(mode="ar")]
+    eng = build_engine(TARGET, DRAFTER, tokenizer=tiny_tokenizer(), max_model_len=256)
+    eng.eos_ids = set()
+    eng.scorer = GuardAfter(eng.scorer, strict=2)
+    reqs = eng.generate(PROMPTS, dict(max_tokens=30, mode="fly", theta=0.0, window=0, mla=False, rho=1.0))
+    for r, want in zip(reqs, ar):
+        assert r.stats.first_loose_pos == first_divergence(r.generated, want)
+        assert r.stats.first_loose_pos >= 2  # two strict rounds emitted at least a token each
+
+
+def test_engine_guard_at_temperature():
+    params = dict(mode="fly", theta=0.0, window=0, mla=False, temperature=1.0, seed=3)
+    loose = sum(r.stats.loosely_accepted for r in run_engine(**params))
+    # a draft the target ranks first may still fail the p/q test at T > 0: rho = 1 keeps only those
+    assert 0 <= sum(r.stats.loosely_accepted for r in run_engine(**params, rho=1.0)) < loose
+
+
+def test_rho_is_validated():
+    for bad in (-0.1, 1.5, "x", True):
+        with pytest.raises(ParamError, match="rho: must be in"):
+            Params(rho=bad).validate(1, 1000)
+    assert Params(rho=0.5).validate(1, 1000).rho == 0.5
 
 
 def test_authors_window_checks_w_minus_1_but_needs_a_full_window():
