@@ -57,7 +57,7 @@ def knob(default, help: str, api: str | None = "fly", choices=None, **kw):
     return field(default=default, metadata=meta, **kw)
 
 
-def _int(v) -> bool:
+def is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
@@ -111,9 +111,9 @@ class Params:
         that does not fit under the request's k is dropped for the derived one (default_window):
         a request for k = 3 gets W = 2, not a 400 about a window it did not send."""
         out = Params.from_dict({**self.__dict__, **overrides})
-        if "window" not in overrides and out.window is not None and _int(out.k_cap) and _int(out.window):
-            if out.window >= out.k_cap:
-                out.window = None
+        fits = not (is_int(out.window) and is_int(out.k_cap)) or out.window < out.k_cap
+        if "window" not in overrides and not fits:
+            out.window = None
         return out
 
     @property
@@ -141,9 +141,6 @@ class Params:
     def validate(self, prompt_len: int, max_model_len: int) -> "Params":
         def bad(name, why):
             raise ParamError(name, f"{why} (got {getattr(self, name)!r})")
-
-        def is_int(v):
-            return isinstance(v, int) and not isinstance(v, bool)
 
         def is_num(v):
             return isinstance(v, (int, float)) and not isinstance(v, bool)

@@ -214,7 +214,8 @@ def alive(pid: int) -> bool:
 
 def kill_ours(pid: int) -> None:
     """SIGKILL a process this process started, directly or through its Ray (never anything else)."""
-    assert pid != os.getpid() and os.getpid() in ancestors(pid), f"pid {pid} is not a process this run started"
+    if pid == os.getpid() or os.getpid() not in ancestors(pid):  # a guard that python -O keeps
+        raise PermissionError(f"pid {pid} is not a process this run started")
     os.kill(pid, signal.SIGKILL)
 
 
