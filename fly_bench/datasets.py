@@ -29,6 +29,10 @@ INSTALL = {
 }
 # raw completion stops where the function body ends (as the earlier HumanEval recovery script did)
 RAW_STOPS = ["\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#", "\n```"]
+# chat replies end at the code block's closing fence: the scorer reads the first block, and the
+# prose after it (how the function works, examples) is tokens every method would pay for unread.
+# "\n```\n" cannot match the opening fence ("```python\n").
+CHAT_STOPS = ["\n```\n"]
 NEEDLE_NAMES = ("Amsterdam", "Lisbon", "Nairobi", "Osaka", "Quito", "Tallinn", "Hanoi", "Oslo", "Lima", "Perth")
 
 
@@ -78,7 +82,7 @@ def load_humaneval(limit: int | None = None, skip: int = 0, raw: bool = False) -
                 "Complete the following Python function. Reply with the whole function, including the "
                 f"imports it needs, in one ```python code block.\n\n```python\n{p['prompt']}```"
             )
-            problems.append(Problem("humaneval", p["task_id"], text, p))
+            problems.append(Problem("humaneval", p["task_id"], text, p, stop=list(CHAT_STOPS)))
     return problems
 
 

@@ -5,6 +5,7 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
+from . import calibrate
 from .metrics import Row
 
 COLUMNS = (
@@ -49,7 +50,7 @@ def table_line(r: Row) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
-def markdown(rows: list[Row], notes: list[str]) -> str:
+def markdown(rows: list[Row], notes: list[str], choices: list[calibrate.Choice] = ()) -> str:
     head = "| " + COLUMNS + " |"
     sep = "|" + "---|" * len(COLUMNS.split(" | "))
     lines = [head, sep, *(table_line(r) for r in rows)]
@@ -57,6 +58,8 @@ def markdown(rows: list[Row], notes: list[str]) -> str:
     parts = ["\n".join(lines)]
     if flipped:
         parts.append("Flipped problems vs ar (problem#sample direction @first divergence):\n" + "\n".join(flipped))
+    if choices:
+        parts.append(calibrate.markdown(choices).rstrip("\n"))
     if notes:
         parts.append("Notes:\n" + "\n".join(f"- {n}" for n in notes))
     return "\n\n".join(parts) + "\n"
@@ -66,14 +69,17 @@ def _flips(r: Row) -> str:
     return ", ".join(f"{p}#{s} {d} @{'-' if pos is None else pos}" for p, s, d, pos in r.flipped)
 
 
-def write(rows: list[Row], out_dir: Path, config: dict, notes: list[str]) -> list[Path]:
+def write(
+    rows: list[Row], out_dir: Path, config: dict, notes: list[str], choices: list[calibrate.Choice] = ()
+) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     summary = out_dir / "summary.json"
-    summary.write_text(
-        json.dumps({"config": config, "notes": notes, "rows": [r.as_dict() for r in rows]}, indent=1, default=str)
-    )
+    body = {"config": config, "notes": notes, "rows": [r.as_dict() for r in rows]}
+    if choices:
+        body["choices"] = [c.as_dict() for c in choices]
+    summary.write_text(json.dumps(body, indent=1, default=str))
     table = out_dir / "summary.md"
-    table.write_text(markdown(rows, notes))
+    table.write_text(markdown(rows, notes, choices))
     return [summary, table, *plots(rows, out_dir)]
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from fly_serve.params import MODES
 
-from . import datasets, report
+from . import calibrate, datasets, report
 from .methods import Method, Output, Peer, parse_method, run_engine
 from .metrics import summarize
 from .scoring import score
@@ -59,6 +59,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples of the recovery interval")
     p.add_argument("--out", default="bench_out", help="folder of results.jsonl, summary.json/.md, plots")
     p.add_argument("--report-only", action="store_true", help="no generation: figures from results.jsonl")
+    p.add_argument(
+        "--choose",
+        action="store_true",
+        help="calibration: name the fastest engine method whose recovery (datasets pooled) keeps the point "
+        ">= 0.99 and the lower 95%% bound >= 0.97 (calibrate.py)",
+    )
     p.add_argument("--target", default=None, help="model name (default: the embedded target)")
     p.add_argument("--drafter", default=None, help="model name (default: the embedded drafter)")
     p.add_argument("--dtype", default="auto", help="target precision (auto: bf16 where the hardware has it, else fp32)")
@@ -320,12 +326,17 @@ def run(args, problems: dict[str, list[datasets.Problem]] | None = None) -> list
         print(f"[bench] models and data ready in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
         generate_all(args, bench, problems, methods, store)
         notes = bench.notes
-    rows = summarize(
-        [r for r in store.all() if r["method"] in {m.label for m in methods}], n_boot=args.bootstrap, seed=args.seed
-    )
+    # the figures of this command's datasets and methods (one --out may hold more)
+    labels = {m.label for m in methods}
+    records = [r for r in store.all() if r["method"] in labels and r["dataset"] in args.datasets]
+    rows = summarize(records, n_boot=args.bootstrap, seed=args.seed)
     config = dict(vars(args), machine=machine(), methods=[m.label for m in methods])
-    paths = report.write(rows, out_dir, config, notes)
-    print(report.markdown(rows, notes))
+    choices = []
+    if args.choose:
+        engine = {m.label for m in methods if m.kind == "engine"}
+        choices = calibrate.choose(records, engine, n_boot=args.bootstrap, seed=args.seed)
+    paths = report.write(rows, out_dir, config, notes, choices)
+    print(report.markdown(rows, notes, choices))
     print("[bench] wrote " + ", ".join(str(p) for p in paths), file=sys.stderr)
     return rows
 

