@@ -143,7 +143,12 @@ class Peer:
         else:
             kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
         if setting.get("stop"):
-            kwargs.update(stop_strings=setting["stop"], tokenizer=self.tokenizer)
+            # a criterion, not stop_strings=: assisted generation hands stop_strings on to the
+            # assistant's own generate without the tokenizer, which then refuses to start
+            from transformers import StoppingCriteriaList, StopStringCriteria
+
+            stop = StopStringCriteria(tokenizer=self.tokenizer, stop_strings=setting["stop"])
+            kwargs["stopping_criteria"] = StoppingCriteriaList([stop])
         ids = torch.tensor([prompt])
         t0 = time.perf_counter()
         with torch.inference_mode():
