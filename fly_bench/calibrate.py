@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from .metrics import REFERENCE, flips, paired_bootstrap_ratio, per_problem_means, tok_s
+from .metrics import REFERENCE, against_ar, tok_s
 
 
 @dataclass
@@ -23,7 +23,7 @@ class Candidate:
     recovery: float | None
     recovery_lo: float | None
     recovery_hi: float | None
-    pass_to_fail: int  # problems (pooled) ar passes and the method fails, and the reverse
+    pass_to_fail: int  # samples (pooled) ar passes and the method fails, and the reverse
     fail_to_pass: int
     qualifies: bool
 
@@ -44,14 +44,6 @@ class Choice:
         return {**asdict(self), "candidates": [c.as_dict() for c in self.candidates]}
 
 
-def pooled(records: list[dict], ar: list[dict]) -> tuple[np.ndarray, np.ndarray]:
-    """Per-problem mean scores of a method and of ar over the (dataset, problem) pairs both have."""
-    mine = per_problem_means([{**r, "problem": (r["dataset"], r["problem"])} for r in records])
-    ref = per_problem_means([{**r, "problem": (r["dataset"], r["problem"])} for r in ar])
-    shared = sorted(set(mine) & set(ref))
-    return np.array([mine[p] for p in shared]), np.array([ref[p] for p in shared])
-
-
 def geometric_speedup(records: list[dict], ar: list[dict]) -> float:
     by_dataset = defaultdict(list)
     for r in records:
@@ -64,17 +56,29 @@ def geometric_speedup(records: list[dict], ar: list[dict]) -> float:
     return float(np.exp(np.mean(np.log(ratios)))) if ratios else 0.0
 
 
+def _pooled(records: list[dict]) -> list[dict]:
+    """The records with (dataset, problem) as their problem: one pool across datasets."""
+    return [{**r, "problem": (r["dataset"], r["problem"])} for r in records]
+
+
 def candidate(method: str, records: list[dict], ar: list[dict], lower: float, point: float, n_boot: int, seed: int):
-    a, b = pooled(records, ar)
-    recovery = lo = hi = None
-    if len(a) and b.mean() > 0:
-        recovery = float(a.mean() / b.mean())
-        lo, hi = paired_bootstrap_ratio(a, b, n_boot, seed)
+    found = against_ar(_pooled(records), _pooled(ar), n_boot, seed)
+    recovery, lo, hi = found.get("recovery"), found.get("recovery_lo"), found.get("recovery_hi")
     ok = recovery is not None and recovery >= point and lo >= lower
-    down, up = flips(list(zip(b, a)))
     first = records[0]
-    speedup = geometric_speedup(records, ar)
-    return Candidate(method, first["temperature"], first["batch"], len(a), speedup, recovery, lo, hi, down, up, ok)
+    return Candidate(
+        method,
+        first["temperature"],
+        first["batch"],
+        len({_key(r)[:2] for r in records}),
+        geometric_speedup(records, ar),
+        recovery,
+        lo,
+        hi,
+        found.get("pass_to_fail", 0),
+        found.get("fail_to_pass", 0),
+        ok,
+    )
 
 
 def choose(

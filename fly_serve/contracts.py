@@ -22,6 +22,7 @@ class Row:
     top_p: float = 1.0
     seed: int | None = None
     entropy: str | None = None  # the gate's entropy for this row; None: the row decides strictly
+    rho: float = 0.0  # the plausibility guard of a row that decides loosely (0: none; params.rho)
     min_confidence: float = 0.0  # a model drafter stops the row once its own probability falls below
     # MLA: the proposal sources a model drafter tries, in order, at each of its forwards (the first
     # that proposes anything wins; params.MLA_SOURCES); a drafter without a source skips it.

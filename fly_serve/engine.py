@@ -296,7 +296,10 @@ class Engine:
         room = min(p.max_tokens - len(req.generated), self.max_model_len - len(req.tokens)) - 1
         k = 0 if p.mode_spec.drafter is None else max(0, min(p.k_cap, room))
         entropy = p.entropy if p.mode_spec.loose and p.theta < 1 else None
-        return Row(req.id, req.tokens, k, p.mla, p.temperature, p.top_p, p.seed, entropy, mla_sources=p.mla_levels)
+        rho = float(p.rho) if entropy else 0.0
+        return Row(
+            req.id, req.tokens, k, p.mla, p.temperature, p.top_p, p.seed, entropy, rho=rho, mla_sources=p.mla_levels
+        )
 
     def _draft(self, batch: list[Request], rows: list[Row]) -> tuple[Drafts, bool]:
         """Drafts for every row, and whether the model drafter failed this round. Its rows then

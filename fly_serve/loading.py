@@ -16,7 +16,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from . import tp
-from .head_cut import cut_head
+from .head_cut import check_head_cut, cut_head
 from .sharded_load import load_shard
 from .tiny import tiny_model, tiny_tokenizer
 from .weights import converted_path, load_converted, resolve
@@ -81,8 +81,8 @@ def load_model(
     precision = resolve_precision(precision)
     if precision == "int8" and (world > 1 or torch.cuda.is_available()):
         raise ValueError("precision: int8 (torch dynamic quantization) runs on one CPU process only; use bf16 on GPUs")
-    if head_cut is not None and (world > 1 or not isinstance(head_cut, int) or head_cut < 1):
-        raise ValueError(f"head_cut: a positive int, for a single-process drafter (got {head_cut!r}, world {world})")
+    if check_head_cut(head_cut) is not None and world > 1:
+        raise ValueError(f"head_cut: for a single-process drafter only (got world {world})")
     seed = tiny_seed(name)
     if seed is None and world > 1:  # only this rank's slices are ever read (sharded_load.py)
         device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -39,9 +39,10 @@ class ModelScorer:
         drafted, n = padded(drafts.tokens)
         ok, y = greedy_check(logits, drafted, n)
         support = torch.ones_like(ok)
-        # The plausibility guard's ratio p(d) / max p for every row (the engine applies each row's
-        # rho): two gathers on the greedy logits, overwritten below for sampling rows.
-        ratio = plausibility_from_logits(logits, drafted, y)
+        # The plausibility guard's ratio p(d) / max p, only in a round where some row has a guard
+        # (the engine applies each row's rho): two gathers on the greedy logits and a copy to the
+        # host, overwritten below for sampling rows.
+        ratio = plausibility_from_logits(logits, drafted, y) if any(r.rho > 0 for r in rows) else None
         h = torch.zeros(drafted.shape) if any(r.entropy for r in rows) else None
         greedy_loose = [b for b, r in enumerate(rows) if r.entropy and not r.sampled]
         for kind in {rows[b].entropy for b in greedy_loose}:
@@ -52,7 +53,8 @@ class ModelScorer:
                 p = probs(logits[b, : int(n[b]) + 1].cpu(), r.temperature, r.top_p)
                 ok[b], y[b] = speculative_row(p, drafted[b], int(n[b]), drafts.q[b], self.generators.get(r))
                 support[b, : int(n[b])] = p[torch.arange(int(n[b])), drafted[b, : int(n[b])]] > 0
-                ratio[b, : int(n[b])] = plausibility_from_probs(p[:-1], drafted[b, : int(n[b])])
+                if ratio is not None:
+                    ratio[b, : int(n[b])] = plausibility_from_probs(p[:-1], drafted[b, : int(n[b])])
                 if r.entropy:
                     h[b, : int(n[b])] = entropy(p[:-1], r.entropy)
         top = logits.topk(min(self.topk, logits.shape[-1]), dim=-1).indices.cpu() if self.topk > 0 else None
