@@ -24,9 +24,9 @@ import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-import httpx
 import openai
 import psutil
+import requests
 
 PROMPTS = [
     "def quicksort(arr):\n",
@@ -111,6 +111,13 @@ def rss_mib(pids: dict[int, str]) -> dict[str, float]:
 
 
 # ---- requests
+def transport_error(e: BaseException, name: str) -> bool:
+    """Whether e is the openai client's transport error `name` (HTTPError, TimeoutException). The
+    transport is httpx in openai 1.x-2.x and httpx2 in 3.x, with the same class names: matched by
+    name, so this script works with either and needs neither installed by name."""
+    return any(c.__name__ == name for c in type(e).__mro__)
+
+
 class Client:
     def __init__(self, url: str, api_key: str | None, timeout_s: float, max_tokens: int):
         self.base = url.rstrip("/") + "/v1"
@@ -123,13 +130,16 @@ class Client:
         t0 = time.monotonic()
         try:
             outcome, detail, tokens = getattr(self, f"_{kind}")(i, rng, early_timeout_s)
-        except (openai.APITimeoutError, httpx.TimeoutException) as e:
-            # a stream's read timeout comes from httpx, unwrapped, while the client iterates the events
-            outcome, detail, tokens = ("client_left" if kind == "leave_early" else "hung"), repr(e)[:200], 0
         except openai.APIStatusError as e:
             outcome, detail, tokens = self._status(e), f"{e.status_code} {e.message[:200]}", 0
-        except (openai.APIError, httpx.HTTPError) as e:  # an error event mid-stream, a cut connection
-            outcome, detail, tokens = "unexpected", repr(e)[:200], 0
+        except Exception as e:
+            if not (isinstance(e, openai.APIError) or transport_error(e, "HTTPError")):
+                raise  # a bug of this script, not an outcome of the request
+            # a stream's read timeout comes from the client's transport, unwrapped, while it
+            # iterates the events; any other error is an error event mid-stream or a cut connection
+            timed_out = isinstance(e, openai.APITimeoutError) or transport_error(e, "TimeoutException")
+            outcome = ("client_left" if kind == "leave_early" else "hung") if timed_out else "unexpected"
+            detail, tokens = repr(e)[:200], 0
         return Result(kind, outcome, time.monotonic() - t0, detail, tokens)
 
     @staticmethod
@@ -196,9 +206,9 @@ class Client:
     def _bad_input(self, i, rng, _):
         name, change, status = BAD_INPUTS[i % len(BAD_INPUTS)]
         body = {"model": self.model, "prompt": rng.choice(PROMPTS), "max_tokens": 4} | change
-        r = httpx.post(
+        r = requests.post(
             f"{self.base}/completions",
-            content=json.dumps(body).encode(),  # json.dumps escapes a lone surrogate, as a client would send it
+            data=json.dumps(body).encode(),  # json.dumps escapes a lone surrogate, as a client would send it
             headers={"content-type": "application/json", "authorization": f"Bearer {self.key}"},
             timeout=self.timeout_s,
         )
@@ -216,7 +226,7 @@ def wait_idle(url: str, api_key: str | None) -> dict:
     headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
     deadline = time.monotonic() + IDLE_WAIT_S
     while True:
-        s = httpx.get(f"{url.rstrip('/')}/v1/fly/stats", headers=headers, timeout=30).json()
+        s = requests.get(f"{url.rstrip('/')}/v1/fly/stats", headers=headers, timeout=30).json()
         if (s["running"], s["waiting"], s["in_flight"]) == (0, 0, 0) or time.monotonic() > deadline:
             return s
         time.sleep(0.5)

@@ -277,3 +277,20 @@ def test_hung_rank_times_out_and_the_group_is_rebuilt(url):
     assert recovered_s is not None, "the hung group was never replaced"
     assert new_ranks and not set(new_ranks) & set(old_ranks)
     assert not any(alive(p) for p in old_ranks)
+
+
+def test_soak_classifies_the_openai_clients_transport_errors():
+    """soak.py reads the openai client's transport errors by class name: httpx (openai 1.x-2.x)
+    and httpx2 (3.x) name them alike, and neither is this project's dependency by name."""
+    import importlib
+    import importlib.util
+
+    import soak
+
+    transports = [importlib.import_module(m) for m in ("httpx", "httpx2") if importlib.util.find_spec(m)]
+    assert transports  # openai depends on one of them
+    for t in transports:
+        assert soak.transport_error(t.ReadTimeout("slow"), "TimeoutException")
+        assert soak.transport_error(t.ConnectError("refused"), "HTTPError")
+        assert not soak.transport_error(t.ConnectError("refused"), "TimeoutException")
+    assert not soak.transport_error(ValueError("x"), "HTTPError")
