@@ -48,6 +48,10 @@ class AppArgs(BaseModel):
     # Tokens each KV cache holds, all sequences together (the target's, on every TP rank alike, and
     # the drafter's); requests are admitted within it. None: max_batch sequences of 4096 tokens.
     kv_budget_tokens: int | None = Field(None, ge=KV_BLOCK_TOKENS)
+    # Each model's own, where they must differ (an 8B drafter beside its target on a 24 GB GPU);
+    # None: kv_budget_tokens. A drafter budget that does not fit fails the drafter's start.
+    target_kv_budget_tokens: int | None = Field(None, ge=KV_BLOCK_TOKENS)
+    drafter_kv_budget_tokens: int | None = Field(None, ge=KV_BLOCK_TOKENS)
     # Staying up (deployments/README.md, "Serving that stays up"):
     max_waiting: int = Field(DEFAULT_MAX_WAITING, ge=0)  # admitted beyond max_batch; past that, 503
     remote_timeout_s: float = Field(DEFAULT_TIMEOUT_S, gt=0)  # one call to the target / drafter / lookup
@@ -89,7 +93,7 @@ def build(args: AppArgs | dict | None = None) -> Application:
         round_timeout_s=a.target_round_timeout_s,
         startup_timeout_s=a.target_startup_timeout_s,
         ping_timeout_s=a.target_ping_timeout_s,
-        kv_budget_tokens=a.kv_budget_tokens,
+        kv_budget_tokens=a.target_kv_budget_tokens or a.kv_budget_tokens,
     )
     drafter_app = bind_drafter(drafter, a) if drafter else None
     lookup_app = LookupDeployment.bind() if a.pld == "deployment" else None
@@ -120,4 +124,5 @@ def bind_drafter(drafter: str, a: AppArgs):
     dep = DrafterDeployment
     if a.drafter_autoscaling:
         dep = dep.options(autoscaling_config=a.drafter_autoscaling)
-    return dep.bind(drafter, a.drafter_precision, a.max_batch, a.drafter_threads, kv_budget_tokens=a.kv_budget_tokens)
+    budget = a.drafter_kv_budget_tokens or a.kv_budget_tokens
+    return dep.bind(drafter, a.drafter_precision, a.max_batch, a.drafter_threads, kv_budget_tokens=budget)

@@ -18,11 +18,13 @@ import os
 import threading
 import time
 
+import ray
 import torch
 from ray import serve
 from ray.serve import metrics
 
 from fly_serve.contracts import Drafts, Row
+from fly_serve.devices import device_for
 from fly_serve.drafters import ModelDrafter
 from fly_serve.loading import load_model, load_tokenizer, set_threads
 
@@ -67,7 +69,7 @@ class DrafterDeployment:
         # its logits are cut to the tokenizer's tokens, as the target's (the ingress checks that
         # the two tokenizers agree)
         self.drafter = ModelDrafter(
-            load_model(drafter, precision),
+            load_model(drafter, precision, device=device_for(ray.get_gpu_ids())),  # Ray's GPU, else the CPU
             n_slots=n_slots,
             vocab_size=len(load_tokenizer(drafter)),
             kv_budget_tokens=kv_budget_tokens,

@@ -566,7 +566,7 @@ class Ingress:
                 return text  # token ids: the engine checks their range
         if len(text) > self.max_prompt_chars:
             raise ParamError("prompt", f"longer than the context window of {self.max_model_len} tokens")
-        return encode(tok, text)
+        return encode(tok, text, bos=not chat)  # a chat template renders its own BOS
 
     async def _submit(self, ids: Ids, body, prompt: list[int], params: dict, arrival: float) -> asyncio.Queue:
         """Posts the request to the engine loop; the queue then receives its updates. A client

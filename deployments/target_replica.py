@@ -30,6 +30,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from fly_serve import tp
 from fly_serve.contracts import Drafts, Row, Verdict
+from fly_serve.devices import device_for
 from fly_serve.loading import load_model, load_tokenizer, set_threads
 from fly_serve.model_scorer import ModelScorer
 
@@ -65,9 +66,10 @@ def build_scorer(
     """One rank's scorer. kv_budget_tokens is a token count, the same on every rank, so that the
     ranks take the same block decisions (a byte budget from each rank's free memory could differ)."""
     set_threads(threads)
-    group = tp.init_group(rank, world, addr, port, timeout_s=group_timeout_s) if world > 1 else None
+    device = device_for(ray.get_gpu_ids())  # the GPU Ray assigned this rank, else the CPU
+    group = tp.init_group(rank, world, addr, port, timeout_s=group_timeout_s, device=device) if world > 1 else None
     return ModelScorer(
-        load_model(name, dtype, rank, world),
+        load_model(name, dtype, rank, world, device=device),
         n_slots=n_slots,
         tp_group=group,
         vocab_size=len(load_tokenizer(name)),

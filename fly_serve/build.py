@@ -32,11 +32,18 @@ def build_engine(
     draft_min_confidence: float = 0.0,
     speculation_profile: dict | None = None,
     kv_budget_tokens: int | None = None,
+    target_kv_budget_tokens: int | None = None,
+    drafter_kv_budget_tokens: int | None = None,
+    device=None,
     progress=print,
 ) -> Engine:
     """target / drafter: a model name (loading.py) or a loaded model; drafter None: no draft
-    model (modes ar and pld). With a loaded target, pass its tokenizer. kv_budget_tokens: tokens
-    each KV cache holds (default: max_batch sequences of 4096); requests are admitted within it.
+    model (modes ar and pld). With a loaded target, pass its tokenizer. KV budgets, in tokens each
+    cache holds (requests are admitted within the target's): target_kv_budget_tokens and
+    drafter_kv_budget_tokens, each defaulting to kv_budget_tokens, which defaults to max_batch
+    sequences of 4096 (a drafter's cache per token is far smaller than the target's, but on a small
+    GPU beside a large drafter the two must be sized apart). device: where models given by name
+    load (default: this process's, devices.local_device).
     drafter_head_cut: cut a drafter loaded by name to the lm_head rows of ids below it (head_cut.py);
     ignored without a drafter, refused with a loaded one (cut that with head_cut.cut_head)."""
     check_head_cut(drafter_head_cut, "drafter_head_cut")
@@ -44,12 +51,14 @@ def build_engine(
         if not isinstance(target, str):
             raise ValueError("tokenizer: required when the target is an already-loaded model")
         tokenizer = load_tokenizer(target, progress)
-    target_model = load_model(target, dtype, progress=progress) if isinstance(target, str) else target
+    target_model = load_model(target, dtype, progress=progress, device=device) if isinstance(target, str) else target
     draft = None
     if drafter is not None:
         if isinstance(drafter, str):
             check_same_tokenizer(tokenizer, load_tokenizer(drafter, progress))
-            drafter = load_model(drafter, drafter_precision, progress=progress, head_cut=drafter_head_cut)
+            drafter = load_model(
+                drafter, drafter_precision, progress=progress, head_cut=drafter_head_cut, device=device
+            )
         elif drafter_head_cut is not None:  # cutting a caller's model in place would surprise it
             raise ValueError("drafter_head_cut: only for a drafter given by name (cut a loaded one: head_cut.cut_head)")
         check_widths(target_model, drafter, tokenizer)
@@ -58,10 +67,11 @@ def build_engine(
             n_slots=max_batch,
             min_confidence=draft_min_confidence,
             vocab_size=len(tokenizer),
-            kv_budget_tokens=kv_budget_tokens,
+            kv_budget_tokens=drafter_kv_budget_tokens or kv_budget_tokens,
         )
     max_model_len = min(max_model_len, target_model.config.max_position_embeddings)
-    scorer = ModelScorer(target_model, n_slots=max_batch, vocab_size=len(tokenizer), kv_budget_tokens=kv_budget_tokens)
+    target_budget = target_kv_budget_tokens or kv_budget_tokens
+    scorer = ModelScorer(target_model, n_slots=max_batch, vocab_size=len(tokenizer), kv_budget_tokens=target_budget)
     return Engine(
         scorer,
         draft,

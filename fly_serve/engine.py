@@ -129,7 +129,7 @@ class Engine:
         """A checked Request, not yet queued: everything that could break a round is caught here."""
         params = self.defaults.merged(params or {}) if not isinstance(params, Params) else params
         if isinstance(prompt, str):
-            prompt = prompts.encode(self.tokenizer, prompt)
+            prompt = prompts.completion_prompt(self.tokenizer, prompt)  # raw text: BOS where the model has one
         params.validate(len(prompt), self.max_model_len)
         vocab = self.scorer.vocab_size
         if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in prompt):

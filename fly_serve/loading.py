@@ -3,7 +3,10 @@
 A name is "tiny:N" (a tiny random model, tiny.py), an embedded default model, a local
 directory or a hub id (weights.resolve). Precision: "auto" (resolve_precision), "bf16", "fp32", or "int8" (torch dynamic
 quantization with per-channel weights, CPU only: a drafter's precision), quantized once and kept
-in the cache (weights.converted_path), so a start loads it instead of quantizing again. A drafter
+in the cache (weights.converted_path), so a start loads it instead of quantizing again. int8 asked
+for on a GPU resolves to bf16 (logged): torch.ao's dynamic int8 has no GPU kernels, and a profile's
+drafter precision must not stop a GPU host from starting.
+The device is the caller's (devices.py: what Ray assigned), by default this process's own. A drafter
 may also cut its lm_head to the ids below `head_cut` (head_cut.py). A tensor-parallel rank reads
 only its shard's slices from the safetensors files (sharded_load.py), so a rank's host memory is
 about 1/TP of the weights.
@@ -16,6 +19,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from . import tp
+from .devices import is_gpu, local_device
 from .head_cut import check_head_cut, cut_head
 from .sharded_load import load_shard
 from .tiny import tiny_model, tiny_tokenizer
@@ -38,21 +42,22 @@ def cpu_has_bf16() -> bool:
     return any(getattr(torch.cpu, p, lambda: False)() for p in probes)
 
 
-def resolve_precision(precision: str) -> str:
-    """The precision "auto" stands for: bf16 on a GPU or on a CPU with bf16 instructions, else fp32. Without them torch
+def resolve_precision(precision: str, device: torch.device | str | None = None, progress=print) -> str:
+    """The precision a model gets on `device` (default: this process's, devices.local_device).
+
+    "auto": bf16 on a GPU or on a CPU with bf16 instructions, else fp32. Without them torch
     emulates bf16 matmuls, so a forward over T tokens costs about T one-token forwards and a
     verification of k drafts costs as much as k plain steps: speculation cannot pay. Measured on a
     2-core AVX2 CPU (benchmarks/forward_cost.py, 1.5B target, after 200 cached): 1 / 16 tokens took
-    185 / 2382 ms in bf16 and 312 / 1037 ms in fp32."""
+    185 / 2382 ms in bf16 and 312 / 1037 ms in fp32.
+    "int8" on a GPU: bf16, with a line to `progress` (torch.ao dynamic int8 runs on CPUs only)."""
+    gpu = is_gpu(device if device is not None else local_device())
+    if precision == "int8" and gpu:
+        progress("precision: int8 (torch.ao dynamic quantization) is CPU-only; bf16 on this GPU")
+        return "bf16"
     if precision != "auto":
         return precision
-    return "bf16" if torch.cuda.is_available() or cpu_has_bf16() else "fp32"
-
-
-def on_device(model):
-    """The model on this process's GPU where there is one (Ray sets CUDA_VISIBLE_DEVICES per
-    actor, so "cuda" is the actor's own GPU), else where it is."""
-    return model.to("cuda") if torch.cuda.is_available() else model
+    return "bf16" if gpu or cpu_has_bf16() else "fp32"
 
 
 def set_threads(n: int | None) -> None:
@@ -71,21 +76,28 @@ def quantize_int8(model):
 
 
 def load_model(
-    name: str, precision: str = "bf16", rank: int = 0, world: int = 1, progress=print, head_cut: int | None = None
+    name: str,
+    precision: str = "bf16",
+    rank: int = 0,
+    world: int = 1,
+    progress=print,
+    head_cut: int | None = None,
+    device: torch.device | str | None = None,
 ):
     """The model `name` at `precision` (tiny models are always fp32), this rank's shard of
-    `world`, on this process's device, in eval mode. head_cut: keep only the lm_head rows of ids
-    below it and of the tokenizer's added tokens (a drafter's option, head_cut.py)."""
+    `world`, on `device` (default: this process's, devices.local_device), in eval mode. head_cut:
+    keep only the lm_head rows of ids below it and of the tokenizer's added tokens (a drafter's
+    option, head_cut.py)."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision: must be one of {', '.join(PRECISIONS)} (got {precision!r})")
-    precision = resolve_precision(precision)
-    if precision == "int8" and (world > 1 or torch.cuda.is_available()):
-        raise ValueError("precision: int8 (torch dynamic quantization) runs on one CPU process only; use bf16 on GPUs")
+    device = torch.device(device) if device is not None else local_device()
+    precision = resolve_precision(precision, device, progress)  # before any refusal: int8 -> bf16 on a GPU
+    if precision == "int8" and world > 1:
+        raise ValueError("precision: int8 (torch dynamic quantization) runs on one CPU process only; use bf16")
     if check_head_cut(head_cut) is not None and world > 1:
         raise ValueError(f"head_cut: for a single-process drafter only (got world {world})")
     seed = tiny_seed(name)
     if seed is None and world > 1:  # only this rank's slices are ever read (sharded_load.py)
-        device = "cuda" if torch.cuda.is_available() else "cpu"
         return load_shard(resolve(name, progress), DTYPES[precision], rank, world, device)
     if seed is not None:
         model = _cut(tiny_model(seed), name, head_cut, progress)
@@ -95,7 +107,7 @@ def load_model(
         model = _cut(_pretrained(name, DTYPES[precision], progress), name, head_cut, progress)
     if world > 1:
         tp.shard(model, rank, world)
-    return on_device(model)
+    return model.to(device)
 
 
 def _int8(name: str, head_cut: int | None, progress):

@@ -21,6 +21,15 @@ DEFAULT_SEQ_TOKENS = 4096  # the default budget: n_slots sequences of this many 
 DEFAULT_INITIAL_TOKENS = 256  # per slot, allocated up front by default; the pool grows from there
 
 
+def grown_from(device: torch.device, initial_tokens: int) -> int | None:
+    """Where a default-sized pool starts: small on the CPU (memory the OS hands out lazily anyway,
+    and a test machine runs many engines), the whole budget now on a GPU (None). A GPU pool that
+    grew later could fail mid-run, and a drafter whose growth fails drafts nothing (the engine falls
+    back to prompt lookup every round while its health probe passes): allocated at start, a budget
+    that does not fit fails the replica's start, loudly."""
+    return initial_tokens if device.type == "cpu" else None
+
+
 class SliceIO:
     """One row whose blocks are consecutive in the pool: its keys are a slice of the pool (a view,
     no copy), as in a cache of fixed slots."""
@@ -84,7 +93,7 @@ class Runner:
         initial = None
         if budget_bytes is None and budget_tokens is None:
             budget_tokens = n_slots * DEFAULT_SEQ_TOKENS
-            initial = n_slots * (capacity or DEFAULT_INITIAL_TOKENS)
+            initial = grown_from(self.device, n_slots * (capacity or DEFAULT_INITIAL_TOKENS))
         self.cache = KVCache(
             len(self.layers),
             self.kv_heads,

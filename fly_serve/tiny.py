@@ -3,7 +3,7 @@ mechanics of the engine and the Serve app are tested on them in seconds. A name 
 the tiny model of seed N everywhere a model name is accepted (loading.py)."""
 
 import torch
-from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 _TINY_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # Qwen's, same roles
 TINY_VOCAB_SIZE = 256 + len(_TINY_SPECIALS)  # byte alphabet + specials
@@ -13,20 +13,28 @@ _TINY_CHAT_TEMPLATE = (
 )
 
 
-def tiny_tokenizer() -> PreTrainedTokenizerFast:
-    """Byte-level tokenizer (token id == byte value, no merges) with Qwen-style specials."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+def tiny_tokenizer(bos: str | None = None) -> PreTrainedTokenizerFast:
+    """Byte-level tokenizer (token id == byte value, no merges) with Qwen-style specials.
+    bos: also a BOS token of that text (id TINY_VOCAB_SIZE), added in front of every encoding
+    with special tokens, as Llama 3's tokenizer adds <|begin_of_text|>."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     vocab = {ch: b for b, ch in bytes_to_unicode().items()} | {t: 256 + i for i, t in enumerate(_TINY_SPECIALS)}
     core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     core.decoder = decoders.ByteLevel()
+    if bos is not None:
+        core.add_special_tokens([bos])
+        core.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, TINY_VOCAB_SIZE)]
+        )
     tok = PreTrainedTokenizerFast(
         tokenizer_object=core,
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
         additional_special_tokens=["<|im_start|>"],
+        **({"bos_token": bos} if bos is not None else {}),
     )
     tok.chat_template = _TINY_CHAT_TEMPLATE
     return tok
@@ -51,4 +59,40 @@ def tiny_model(seed: int = 0, vocab_size: int = TINY_VOCAB_SIZE, **overrides) ->
     with torch.random.fork_rng(devices=[]):  # deterministic per seed, leaves the global RNG alone
         torch.manual_seed(seed)
         model = Qwen2ForCausalLM(Qwen2Config(**cfg))
+    return model.to(torch.float32).eval().requires_grad_(False)
+
+
+# Llama 3.1's rope scaling (its config.json), the part of a Llama config that Qwen2 lacks.
+LLAMA31_ROPE_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+
+def tiny_llama(seed: int = 0, vocab_size: int = TINY_VOCAB_SIZE + 1, **overrides) -> LlamaForCausalLM:
+    """Tiny random Llama with Llama 3.1's rope scaling (fp32, eval); the default vocabulary fits
+    tiny_tokenizer(bos=...). A head_dim of 16 over a rope_theta of 500k puts rotary frequencies
+    on both sides of the scaling's wavelength bands, so the scaling really changes the logits."""
+    cfg = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        max_position_embeddings=131072,
+        rope_theta=500000.0,
+        rope_scaling=dict(LLAMA31_ROPE_SCALING),
+        tie_word_embeddings=False,
+        bos_token_id=TINY_VOCAB_SIZE,
+        eos_token_id=min(258, vocab_size - 1),
+        pad_token_id=min(256, vocab_size - 1),
+    )
+    cfg.update(overrides)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(LlamaConfig(**cfg))
     return model.to(torch.float32).eval().requires_grad_(False)

@@ -3,7 +3,7 @@
 Column-parallel (split output features): q, k, v, gate, up -> each rank holds whole heads and a
 slice of the MLP. Row-parallel (split input features): o, down -> each rank's output is a partial
 sum, which Runner all-reduces. Embeddings, norms and lm_head stay whole on every rank.
-Works over NCCL on GPUs and gloo on CPUs (torch.distributed picks by backend).
+Works over NCCL on GPUs and gloo on CPUs; the backend follows the rank's device (devices.py).
 """
 
 import datetime
@@ -11,6 +11,8 @@ import os
 
 import torch
 import torch.distributed as dist
+
+from .devices import tp_backend
 
 
 def _keep(linear: torch.nn.Linear, dim: int, rank: int, world: int):
@@ -52,12 +54,18 @@ def init_group(
     port: int = 29511,
     backend: str | None = None,
     timeout_s: float = 600.0,
+    device: torch.device | str = "cpu",
 ):
-    """Join the process group of a target replica; returns the group (the default one).
+    """Join the process group of a target replica, on this rank's own `device` (devices.device_for
+    of what Ray assigned it); returns the group (the default one) once a warm-up collective passed.
 
+    backend: by default the device's (devices.tp_backend: NCCL on a GPU, gloo on the CPU).
     timeout_s bounds the rendezvous (a rank that never arrives fails the others instead of
     hanging them) and, as the group's default, every collective after it."""
-    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    device = torch.device(device)
+    backend = backend or tp_backend(device)
+    if device.type == "cuda":  # NCCL binds each rank to the current device: make it this rank's own
+        torch.cuda.set_device(device)
     os.environ.setdefault("MASTER_ADDR", addr)
     os.environ.setdefault("MASTER_PORT", str(port))
     if not dist.is_initialized():
@@ -68,4 +76,17 @@ def init_group(
             init_method=f"tcp://{addr}:{port}",
             timeout=datetime.timedelta(seconds=timeout_s),
         )
+    warm_up(device)
     return dist.group.WORLD
+
+
+def warm_up(device: torch.device | str, group=None) -> None:
+    """One all-reduce at start: NCCL builds its communicators lazily, at the first collective, so
+    a broken interconnect, a duplicate GPU or a wrong backend shows here, when the replica starts,
+    not at the first request. Checks the sum too (every rank adds its rank + 1)."""
+    world = dist.get_world_size(group)
+    x = torch.tensor([float(dist.get_rank(group) + 1)], device=device)
+    dist.all_reduce(x, group=group)
+    expected = world * (world + 1) / 2
+    if float(x.item()) != expected:
+        raise RuntimeError(f"tensor-parallel warm-up: all_reduce gave {float(x.item())}, expected {expected}")

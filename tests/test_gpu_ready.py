@@ -1,0 +1,156 @@
+"""What a GPU host needs that the CPU can test: devices from Ray's assignment, precision per device,
+each model's own KV budget (allocated at start where growth could fail late), BOS for raw
+completions, Llama 3.1 rope scaling through the sharded loader, the TP warm-up, the capture rule."""
+
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from fly_serve import loading
+from fly_serve.build import build_engine
+from fly_serve.devices import device_for, local_device, tp_backend
+from fly_serve.drafters import ModelDrafter
+from fly_serve.prompts import bos_ids, chat_prompt, completion_prompt, encode
+from fly_serve.runner import Runner, grown_from
+from fly_serve.sharded_load import load_shard
+from fly_serve.tiny import TINY_VOCAB_SIZE, tiny_llama, tiny_model, tiny_tokenizer
+from fly_serve.tp import init_group
+
+BOS = "<|begin_of_text|>"
+
+
+# ---- devices: what Ray assigned, not what is visible
+def test_no_assigned_gpu_runs_on_the_cpu_even_when_gpus_are_visible():
+    assert device_for([], visible="0,1,2,3") == torch.device("cpu")
+    assert tp_backend(device_for([])) == "gloo"  # two CPU ranks never both take NCCL on cuda:0
+
+
+def test_an_assigned_gpu_is_the_actors_own():
+    # Ray sets CUDA_VISIBLE_DEVICES to the assigned ids: GPU 3 is then the process's cuda:0.
+    assert device_for([3], visible="3") == torch.device("cuda", 0)
+    assert device_for(["5"], visible="4,5") == torch.device("cuda", 1)  # ray.get_gpu_ids() may give strings
+    assert device_for([2], visible="") == torch.device("cuda", 0)
+    assert tp_backend(device_for([1], visible="1")) == "nccl"
+
+
+def test_tp_ranks_on_a_node_get_distinct_gpus():
+    # Four ranks, one GPU each (Ray gives each actor its own CUDA_VISIBLE_DEVICES): no duplicates
+    # in global ids, each rank's cuda:0 being a different physical GPU.
+    devices = [device_for([g], visible=str(g)) for g in range(4)]
+    assert devices == [torch.device("cuda", 0)] * 4  # each process's own view ...
+    # ... and with every GPU left visible (a runtime that does not narrow it), the rank's own index.
+    assert [device_for([g], visible="0,1,2,3").index for g in range(4)] == [0, 1, 2, 3]
+
+
+def test_fly_device_forces_the_local_device(monkeypatch):
+    monkeypatch.setenv("FLY_DEVICE", "cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert local_device() == torch.device("cpu")
+    monkeypatch.delenv("FLY_DEVICE")
+    assert local_device() == torch.device("cuda", 0)
+
+
+# ---- precision per device
+def test_int8_on_a_gpu_resolves_to_bf16_with_a_log_line():
+    said = []
+    assert loading.resolve_precision("int8", torch.device("cuda", 0), said.append) == "bf16"
+    assert said and "bf16" in said[0]
+    assert loading.resolve_precision("int8", "cpu", said.append) == "int8"  # the CPU keeps its int8 drafter
+    assert loading.resolve_precision("auto", "cuda") == "bf16"
+
+
+def test_int8_is_resolved_before_any_refusal(monkeypatch):
+    # The old order refused int8 as soon as a GPU was visible, before even the tiny branch.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    model = loading.load_model("tiny:1", "int8", device="cpu")  # an actor Ray gave no GPU
+    assert model.dtype == torch.float32 and model.device.type == "cpu"
+    with pytest.raises(ValueError, match="int8"):
+        loading.load_model("tiny:1", "int8", rank=0, world=2, device="cpu")
+
+
+# ---- KV budgets
+def test_target_and_drafter_have_their_own_budgets():
+    eng = build_engine(
+        "tiny:0", "tiny:1", max_batch=2, target_kv_budget_tokens=512, drafter_kv_budget_tokens=128, progress=None
+    )
+    assert eng.scorer.kv_capacity_tokens == 512
+    assert eng.drafters["model"].kv_capacity_tokens == 128
+    both = build_engine("tiny:0", "tiny:1", max_batch=2, kv_budget_tokens=256, progress=None)
+    assert both.scorer.kv_capacity_tokens == both.drafters["model"].kv_capacity_tokens == 256
+
+
+def test_a_drafter_budget_that_cannot_be_allocated_fails_at_start():
+    with pytest.raises(RuntimeError):  # an allocation of petabytes: refused now, not at some round
+        ModelDrafter(tiny_model(1), n_slots=1, kv_budget_tokens=10**15)
+
+
+def test_a_gpu_pool_is_allocated_whole_at_start():
+    assert grown_from(torch.device("cpu"), 256) == 256  # the CPU grows as needed
+    assert grown_from(torch.device("cuda", 0), 256) is None  # a GPU takes its whole budget now
+    runner = Runner(tiny_model(0), n_slots=2)
+    assert runner.cache.allocated < runner.cache.n_blocks  # on this CPU: grown later
+
+
+# ---- BOS
+def test_raw_completions_get_bos_where_the_tokenizer_adds_one():
+    llama_like, qwen_like = tiny_tokenizer(bos=BOS), tiny_tokenizer()
+    assert bos_ids(llama_like) == [TINY_VOCAB_SIZE] and bos_ids(qwen_like) == []
+    assert completion_prompt(llama_like, "ab") == [TINY_VOCAB_SIZE, 97, 98]
+    assert completion_prompt(qwen_like, "ab") == [97, 98]
+    assert encode(llama_like, "ab") == [97, 98]  # a chat text renders its own BOS: none added
+    assert chat_prompt(llama_like, "ab").count(TINY_VOCAB_SIZE) == 0  # the tiny template has none
+
+
+def test_engine_adds_bos_to_a_raw_text_prompt():
+    eng = build_engine(tiny_llama(0), None, tokenizer=tiny_tokenizer(bos=BOS), max_batch=1, progress=None)
+    assert eng.admit("ab", dict(mode="ar", max_tokens=2)).tokens == [TINY_VOCAB_SIZE, 97, 98]
+
+
+# ---- Llama 3.1 rope scaling through the sharded loader
+TOKENS = [[TINY_VOCAB_SIZE, 5, 17, 42, 99, 7, 3, 250, 11], [TINY_VOCAB_SIZE, 1, 2, 3]]
+
+
+def _logits(runner):
+    first, _ = runner.feed(["a", "b"], [t[:5] for t in TOKENS])
+    rest, _ = runner.feed(["a", "b"], TOKENS)
+    return torch.cat([first.flatten(), rest.flatten()])
+
+
+def _rank(rank, world, port, path, out):
+    group = init_group(rank, world, port=port, device="cpu")  # gloo, from the device
+    model = load_shard(path, torch.float32, rank, world)
+    got = _logits(Runner(model, n_slots=2, tp_group=group))
+    if rank == 0:
+        out.put(got)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_llama31_rope_scaling_survives_the_sharded_loader(tmp_path):
+    ref = tiny_llama(seed=4)
+    ref.save_pretrained(tmp_path)
+    one = load_shard(tmp_path, torch.float32)  # the empty-model path, world 1
+    assert one.config.rope_scaling["rope_type"] == "llama3"
+    inv = one.model.rotary_emb.inv_freq
+    assert torch.equal(inv, ref.model.rotary_emb.inv_freq)
+    plain = tiny_llama(seed=4, rope_scaling=None).model.rotary_emb.inv_freq
+    assert not torch.equal(inv, plain)  # the scaling is really there (low frequencies / 8)
+
+    ctx = mp.get_context("spawn")
+    out, port = ctx.Queue(), _free_port()
+    procs = [ctx.Process(target=_rank, args=(r, 2, port, str(tmp_path), out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = out.get(timeout=180)
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    assert torch.allclose(got, _logits(Runner(ref, n_slots=2)), atol=1e-5)
