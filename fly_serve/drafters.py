@@ -75,7 +75,7 @@ class ModelDrafter:
         # The tokens the tokenizer knows (model_scorer.py cuts the target's logits the same way),
         # so q has the target's width and no padding row of a wider head is ever drafted.
         self.vocab_size = vocab_size or model.config.vocab_size
-        self.generators = Generators(salt=1)
+        self.generators = Generators(salt=1, device=self.runner.device)  # sampling stays by the logits
         self.forwards = 0  # drafter forwards, all rows together, since start
         self.hits = 0  # rows whose KV cache this drafter already held (session affinity)
         self.misses = 0
@@ -119,7 +119,7 @@ class ModelDrafter:
         ok, y = greedy_check(logits, proposed, n)
         for b, r in enumerate(rows):
             if r.sampled:  # drafts stay distributed as q: lookup proposals pass by speculative sampling
-                p = probs(logits[b, : int(n[b]) + 1].cpu(), r.temperature, r.top_p)
+                p = probs(logits[b, : int(n[b]) + 1], r.temperature, r.top_p)
                 ok[b], y[b] = speculative_row(p, proposed[b], int(n[b]), None, self.generators.get(r))
         none = torch.zeros(len(rows), dtype=torch.long)
         accept_len, _ = decide(ok, None, n, theta=torch.ones(len(rows)), check=none)
@@ -133,8 +133,8 @@ class ModelDrafter:
             new = proposals[b][:a] + [int(y[b, a])]
             room = r.k - len(drafts[b])
             drafts[b].extend(new[:room])
-            if r.sampled:
-                qs[b].extend(probs(logits[b, : min(a + 1, room)].cpu(), r.temperature, r.top_p))
+            if r.sampled:  # q goes to the verifier, maybe through Ray: host memory is its wire format
+                qs[b].extend(probs(logits[b, : min(a + 1, room)], r.temperature, r.top_p).cpu())
         return unsure
 
     def _mla_proposal(self, row: Row, context: list[int], room: int) -> list[int]:

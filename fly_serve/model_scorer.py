@@ -24,7 +24,7 @@ class ModelScorer:
         # The tokens the tokenizer knows: logits past them (padding rows of a wider head) are
         # cut, so target and drafter distributions always have the same width.
         self.vocab_size = vocab_size or model.config.vocab_size
-        self.generators = Generators(salt=2)
+        self.generators = Generators(salt=2, device=self.runner.device)  # sampling stays by the logits
         # The target's likeliest tokens at every verified position go back in the Verdict for Token
         # Recycling: ids only, [B, K+1, topk] (0: not reported). A topk over the logits already
         # computed costs far less than the forward, and the batch's ids are a few KB.
@@ -49,14 +49,16 @@ class ModelScorer:
             idx = [b for b in greedy_loose if rows[b].entropy == kind]
             h[idx] = entropy(torch.softmax(logits[idx, :-1].float(), -1), kind).cpu()
         for b, r in enumerate(rows):
-            if r.sampled:  # the generators live on the CPU, so the row's distribution does too
-                p = probs(logits[b, : int(n[b]) + 1].cpu(), r.temperature, r.top_p)
-                ok[b], y[b] = speculative_row(p, drafted[b], int(n[b]), drafts.q[b], self.generators.get(r))
-                support[b, : int(n[b])] = p[torch.arange(int(n[b])), drafted[b, : int(n[b])]] > 0
+            if r.sampled:  # on the logits' device: only [K]-sized results reach the host
+                nb = int(n[b])
+                p = probs(logits[b, : nb + 1], r.temperature, r.top_p)  # [n+1, V]
+                ok[b], y[b] = speculative_row(p, drafted[b], nb, drafts.q[b], self.generators.get(r))
+                d = drafted[b, :nb].to(p.device)
+                support[b, :nb] = (p[torch.arange(nb, device=p.device), d] > 0).cpu()
                 if ratio is not None:
-                    ratio[b, : int(n[b])] = plausibility_from_probs(p[:-1], drafted[b, : int(n[b])])
+                    ratio[b, :nb] = plausibility_from_probs(p[:-1], d).cpu()
                 if r.entropy:
-                    h[b, : int(n[b])] = entropy(p[:-1], r.entropy)
+                    h[b, :nb] = entropy(p[:-1], r.entropy).cpu()
         top = logits.topk(min(self.topk, logits.shape[-1]), dim=-1).indices.cpu() if self.topk > 0 else None
         return Verdict(ok, y, h, support, top, plausibility=ratio)
 

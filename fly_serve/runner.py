@@ -13,8 +13,10 @@ fewer heads per rank and all-reduces the two row-parallel outputs.
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from .graphs import DecodeGraphs, capture_mode
 from .kv_cache import KVCache, cdiv
 
 DEFAULT_SEQ_TOKENS = 4096  # the default budget: n_slots sequences of this many tokens
@@ -28,6 +30,26 @@ def grown_from(device: torch.device, initial_tokens: int) -> int | None:
     back to prompt lookup every round while its health probe passes): allocated at start, a budget
     that does not fit fails the replica's start, loudly."""
     return initial_tokens if device.type == "cpu" else None
+
+
+def attention_mask(starts: torch.Tensor, T: int, n_keys: int, pos: torch.Tensor):
+    """(attn_mask, is_causal) for SDPA: key j is visible to the query at position p iff j <= p.
+
+    When every row starts at the same position (batch 1 always; a batch of equal lengths) that
+    rule is plain causal attention, which SDPA takes without a mask tensor, so PyTorch may pick its
+    fused kernels (flash, memory-efficient) instead of the math one that an explicit boolean mask
+    forces with grouped KV heads: a decode step (T = 1) sees every key, a prefill from position 0
+    is top-left causal (is_causal), anything else is bottom-right causal (a CausalBias, which
+    dispatches to flash / memory-efficient itself). Rows of different starts need the mask
+    [B, 1, T, n_keys]. starts [B] on the CPU (no device sync); pos [B, T] on the device."""
+    if bool((starts == starts[0]).all()):
+        if T == 1:
+            return None, False
+        if n_keys == T:
+            return None, True
+        return causal_lower_right(T, n_keys), False
+    keys = torch.arange(n_keys, device=pos.device)
+    return (keys[None, None, :] <= pos[:, :, None])[:, None], False  # [B, 1, T, n_keys]
 
 
 class SliceIO:
@@ -75,12 +97,15 @@ class Runner:
         budget_tokens: int | None = None,
         block_size: int = 16,
         max_seqs: int | None = None,
+        capture: str = "auto",
     ):
         """n_slots: sequences held at once (idle ones past it are evicted, least recently used
         first; max_seqs overrides). KV cache budget: budget_bytes or budget_tokens (e.g. from
         kv_cache.budget_from_device), allocated now; by default n_slots x DEFAULT_SEQ_TOKENS
         tokens, allocated as needed from n_slots x `capacity` tokens (DEFAULT_INITIAL_TOKENS when
-        not given) on. `capacity` keeps its old meaning: a starting size, not a limit."""
+        not given) on (on a GPU, the whole budget now: grown_from). `capacity` keeps its old
+        meaning: a starting size, not a limit. capture: "auto" (CUDA graphs for one-token forwards
+        on a GPU without TP), "on", "off" (graphs.capture_mode)."""
         cfg = model.config
         self.model, self.cfg, self.tp_group = model, cfg, tp_group
         tp = torch.distributed.get_world_size(tp_group) if tp_group is not None else 1
@@ -107,6 +132,8 @@ class Runner:
             initial_tokens=initial,
         )
         self.vocab_size = cfg.vocab_size
+        # One-token forwards replayed from CUDA graphs where that applies (graphs.capture_mode).
+        self.graphs = DecodeGraphs(self) if capture_mode(self.device, capture, tp) == "graphs" else None
 
     def _all_reduce(self, x):
         if self.tp_group is not None:
@@ -123,26 +150,12 @@ class Runner:
         table = cache.block_table(seqs, n_blocks).to(self.device, non_blocking=True)
         return GatherIO(table, pos, cache.block_size, n_keys)
 
-    @torch.inference_mode()
-    def forward(self, slots, starts, input_ids, logits_at="all"):
-        """input_ids [B, T] written at positions starts[b] + t of cache sequence slots[b] (from
-        cache.plan, which gave it the blocks for its real tokens).
-
-        logits_at: "all" -> logits [B, T, V]; None -> no logits (a prefill that only fills the
-        cache); a LongTensor [B, n] -> logits [B, n, V] at those positions of each row.
-        """
-        dev = self.device
-        seqs = slots.tolist() if torch.is_tensor(slots) else list(slots)
-        starts = torch.as_tensor(starts).cpu()
-        input_ids = input_ids.to(dev)
+    def layers_forward(self, input_ids, pos, io, mask, is_causal: bool) -> torch.Tensor:
+        """Hidden states [B, T, hidden] after every layer (before the final norm): input_ids [B, T]
+        at positions pos [B, T], the cache written and read through io. Shapes in, shapes out, no
+        host sync: graphs.py captures it as it is."""
         B, T = input_ids.shape
-        n_keys = int(starts.max()) + T  # from the CPU copy: no device sync
-        pos = (starts[:, None] + torch.arange(T)[None, :]).to(dev)  # [B, T]
-        io = self._io(seqs, starts, pos, T, n_keys)
         cache = self.cache
-        # Key j is visible to the query at position p iff j <= p.
-        mask = (torch.arange(n_keys, device=dev)[None, None, :] <= pos[:, :, None])[:, None]  # [B,1,T,n_keys]
-
         x = self.model.model.embed_tokens(input_ids)
         cos, sin = self.model.model.rotary_emb(x, pos)
         for i, layer in enumerate(self.layers):
@@ -160,17 +173,44 @@ class Runner:
                 keys.transpose(1, 2).to(q.dtype),
                 values.transpose(1, 2).to(q.dtype),
                 attn_mask=mask,
+                is_causal=is_causal,
                 scale=attn.scaling,
                 enable_gqa=self.n_heads != self.kv_heads,
             )
             o = attn.o_proj(o.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
             x = x + self._all_reduce(o)
             x = x + self._all_reduce(layer.mlp(layer.post_attention_layernorm(x)))
+        return x
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model.lm_head(self.model.model.norm(x)).float()
+
+    @torch.inference_mode()
+    def forward(self, slots, starts, input_ids, logits_at="all"):
+        """input_ids [B, T] written at positions starts[b] + t of cache sequence slots[b] (from
+        cache.plan, which gave it the blocks for its real tokens).
+
+        logits_at: "all" -> logits [B, T, V]; None -> no logits (a prefill that only fills the
+        cache); a LongTensor [B, n] -> logits [B, n, V] at those positions of each row.
+        """
+        dev = self.device
+        seqs = slots.tolist() if torch.is_tensor(slots) else list(slots)
+        starts = torch.as_tensor(starts).cpu()
+        input_ids = input_ids.to(dev)
+        B, T = input_ids.shape
+        if self.graphs is not None and self.graphs.takes(B, T, starts, logits_at):
+            out = self.graphs.run(seqs, starts, input_ids)
+            if out is not None:  # None: the capture failed (logged), the eager forward follows
+                return out
+        n_keys = int(starts.max()) + T  # from the CPU copy: no device sync
+        pos = (starts[:, None] + torch.arange(T)[None, :]).to(dev)  # [B, T]
+        io = self._io(seqs, starts, pos, T, n_keys)
+        x = self.layers_forward(input_ids, pos, io, *attention_mask(starts, T, n_keys, pos))
         if logits_at is None:
             return None
         if not isinstance(logits_at, str):
             x = x.gather(1, logits_at.to(dev)[:, :, None].expand(-1, -1, x.shape[-1]))
-        return self.model.lm_head(self.model.model.norm(x)).float()
+        return self.logits(x)
 
     def feed(self, keys: list[str], tokens: list[list[int]], tail: list[int] | None = None, logits=True, protect=()):
         """Bring each row's cache up to its tokens; returns (logits, fed), fed[b] being the number

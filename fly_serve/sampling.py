@@ -1,6 +1,10 @@
 """Sampling at T > 0: the processed distribution (temperature, then top-p), one random generator
 per sequence, and standard speculative sampling of one row (lossless: tokens are distributed as
-the target's processed distribution whatever the drafts were)."""
+the target's processed distribution whatever the drafts were).
+
+Everything runs where the logits are: on a GPU the full-vocabulary softmax, sort and draws stay on
+the device (each row's generator lives there too) and only [K]-sized results reach the host. A
+seeded request is reproducible on the same kind of device (CPU and CUDA generators differ)."""
 
 import torch
 
@@ -23,12 +27,12 @@ class Generators:
     """One torch.Generator per sequence, so a seeded request draws the same numbers whatever
     else shares its batch. `salt` keeps the drafter's stream apart from the target's."""
 
-    def __init__(self, salt: int):
-        self.salt, self.by_key = salt, {}
+    def __init__(self, salt: int, device: torch.device | str = "cpu"):
+        self.salt, self.by_key, self.device = salt, {}, torch.device(device)
 
     def get(self, row: Row) -> torch.Generator:
         if row.key not in self.by_key:
-            g = torch.Generator()
+            g = torch.Generator(device=self.device)
             if row.seed is None:
                 g.seed()
             else:  # any int64 seed maps into the generator's range
@@ -46,24 +50,25 @@ def _sample(p: torch.Tensor, generator) -> torch.Tensor:
 
 
 def speculative_row(p: torch.Tensor, drafts: torch.Tensor, n: int, q: torch.Tensor | None, generator):
-    """Speculative sampling of one row. p [n+1, V] the target's processed distribution at the
-    row's positions, drafts [K], q [n, V] or None (a one-hot proposal, as from prompt lookup).
-    Returns ok [K] (passed the p/q test) and y [K+1] (the residual sample at each position, a
-    sample of p at position n)."""
-    K = drafts.shape[0]
-    d = drafts[:n]
-    p_d = p[torch.arange(n), d]
-    if q is None:
-        q = torch.nn.functional.one_hot(d, p.shape[-1]).float()
-    q_d = q[torch.arange(n), d]
-    u = torch.rand(n, generator=generator)
+    """Speculative sampling of one row, on p's device (the generator's). p [n+1, V] the target's
+    processed distribution at the row's positions, drafts [K], q [n, V] or None (a one-hot
+    proposal, as from prompt lookup). Returns, on the CPU, ok [K] (accepted: passed the p/q test)
+    and y [K+1] (the recovered token, a residual sample, at each position; the bonus token, a sample
+    of p, at position n)."""
+    K, dev = drafts.shape[0], p.device
+    d = drafts[:n].to(dev)
+    at = torch.arange(n, device=dev)
+    p_d = p[at, d]
+    q = torch.nn.functional.one_hot(d, p.shape[-1]).to(p.dtype) if q is None else q.to(dev)
+    q_d = q[at, d]
+    u = torch.rand(n, generator=generator, device=dev)
     ok = torch.zeros(K, dtype=torch.bool)
-    ok[:n] = u * q_d < p_d  # u < p/q without dividing by zero
+    ok[:n] = (u * q_d < p_d).cpu()  # u < p/q without dividing by zero
     residual = (p[:n] - q).clamp(min=0)
     empty = residual.sum(-1, keepdim=True) <= 0  # p == q: any sample of p is exact
     residual = torch.where(empty, p[:n], residual)
     y = torch.zeros(K + 1, dtype=torch.long)
     if n:
-        y[:n] = _sample(residual / residual.sum(-1, keepdim=True), generator)
-    y[n] = _sample(p[n], generator)
+        y[:n] = _sample(residual / residual.sum(-1, keepdim=True), generator).cpu()
+    y[n] = _sample(p[n], generator).cpu()
     return ok, y

@@ -154,3 +154,61 @@ def test_llama31_rope_scaling_survives_the_sharded_loader(tmp_path):
         p.join(timeout=60)
         assert p.exitcode == 0
     assert torch.allclose(got, _logits(Runner(ref, n_slots=2)), atol=1e-5)
+
+
+# ---- attention through SDPA's fused paths, decode steps through CUDA graphs
+def test_plain_causal_cases_drop_the_mask_and_agree_with_it():
+    from torch.nn.attention.bias import CausalBias
+
+    from fly_serve.runner import attention_mask
+
+    torch.manual_seed(0)
+    for starts, T in (([7, 7], 1), ([0, 0], 5), ([4], 3), ([3, 6], 1), ([0, 2], 4)):
+        starts = torch.tensor(starts)
+        n_keys = int(starts.max()) + T
+        pos = starts[:, None] + torch.arange(T)[None, :]
+        mask, is_causal = attention_mask(starts, T, n_keys, pos)
+        explicit = (torch.arange(n_keys)[None, None, :] <= pos[:, :, None])[:, None]
+        equal = bool((starts == starts[0]).all())
+        assert (mask is None or isinstance(mask, CausalBias)) == equal  # no mask tensor when plain causal
+        q, k, v = (
+            torch.randn(len(starts), 4, T, 16),
+            torch.randn(len(starts), 2, n_keys, 16),
+            torch.randn(len(starts), 2, n_keys, 16),
+        )
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        got = sdpa(q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=True)
+        assert torch.allclose(got, sdpa(q, k, v, attn_mask=explicit, enable_gqa=True), atol=1e-6)
+
+
+def test_capture_is_chosen_on_cuda_only():
+    from fly_serve.graphs import capture_mode
+
+    assert capture_mode("cpu") == "off"  # auto: a no-op on the CPU
+    assert capture_mode("cuda:0") == "graphs"
+    assert capture_mode("cuda:0", tp=4) == "off"  # not under TP yet
+    assert capture_mode("cuda:0", "off") == "off"
+    with pytest.raises(ValueError, match="CUDA device"):
+        capture_mode("cpu", "on")
+    with pytest.raises(ValueError, match="capture"):
+        capture_mode("cuda:0", "always")
+    assert Runner(tiny_model(0), n_slots=1).graphs is None
+
+
+def test_the_captured_step_equals_the_eager_forward():
+    from fly_serve.graphs import DecodeGraphs
+
+    model = tiny_model(0)
+    eager, static = Runner(model, n_slots=4), Runner(model, n_slots=4)
+    static.graphs = DecodeGraphs(static, replay=False)  # the graph's function, run eagerly on its buffers
+    keys = ["a", "b", "c"]
+    rows = [[5, 17, 42, 99, 7, 3, 250, 11] * 40, [1, 2, 3], [9] * 300]  # keys pad to buckets 512 / 256
+    for runner in (eager, static):
+        runner.feed(keys, [r[:-1] for r in rows], logits=False)
+    for step in range(2):  # the second step reads the keys the captured step wrote
+        rows = [r + [step + 1] for r in rows] if step else rows
+        want, _ = eager.feed(keys, rows)
+        got, _ = static.feed(keys, rows)
+        assert got.shape == want.shape == (3, 1, model.config.vocab_size)
+        assert torch.allclose(got, want, atol=1e-5)
+    assert static.graphs.replays == 2 and set(static.graphs.static) == {(4, 512)}
