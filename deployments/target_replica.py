@@ -74,6 +74,7 @@ def build_scorer(
         tp_group=group,
         vocab_size=len(load_tokenizer(name)),
         kv_budget_tokens=kv_budget_tokens,
+        sample=rank == 0,  # only rank 0's verdict is read (_on_ranks(...)[0])
     )
 
 

@@ -18,6 +18,7 @@ class ModelScorer:
         vocab_size: int | None = None,
         kv_budget_tokens: int | None = None,
         topk: int = 8,
+        sample: bool = True,
     ):
         self.runner = Runner(model, n_slots=n_slots, tp_group=tp_group, budget_tokens=kv_budget_tokens)
         self.kv_capacity_tokens = self.runner.cache.capacity_tokens  # the engine admits within it
@@ -29,6 +30,9 @@ class ModelScorer:
         # Recycling: ids only, [B, K+1, topk] (0: not reported). A topk over the logits already
         # computed costs far less than the forward, and the batch's ids are a few KB.
         self.topk = topk
+        # A tensor-parallel rank whose verdict nobody reads (every rank but 0) skips the sampling
+        # rows' full-vocabulary work: its verdict has greedy checks only.
+        self.sample = sample
 
     def verify(self, rows: list[Row], drafts: Drafts) -> Verdict:
         keys = [r.key for r in rows]
@@ -49,7 +53,7 @@ class ModelScorer:
             idx = [b for b in greedy_loose if rows[b].entropy == kind]
             h[idx] = entropy(torch.softmax(logits[idx, :-1].float(), -1), kind).cpu()
         for b, r in enumerate(rows):
-            if r.sampled:  # on the logits' device: only [K]-sized results reach the host
+            if r.sampled and self.sample:  # on the logits' device: only [K]-sized results reach the host
                 nb = int(n[b])
                 p = probs(logits[b, : nb + 1], r.temperature, r.top_p)  # [n+1, V]
                 ok[b], y[b] = speculative_row(p, drafted[b], nb, drafts.q[b], self.generators.get(r))

@@ -212,3 +212,16 @@ def test_the_captured_step_equals_the_eager_forward():
         assert got.shape == want.shape == (3, 1, model.config.vocab_size)
         assert torch.allclose(got, want, atol=1e-5)
     assert static.graphs.replays == 2 and set(static.graphs.static) == {(4, 512)}
+
+
+def test_a_rank_whose_verdict_is_unread_does_not_sample():
+    from fly_serve.contracts import Drafts, Row
+    from fly_serve.model_scorer import ModelScorer
+
+    row = Row(key="a", tokens=[5, 6, 7, 8], k=2, temperature=1.0, seed=3)
+    drafts = Drafts([[9, 10]], [torch.full((2, TINY_VOCAB_SIZE), 1.0 / TINY_VOCAB_SIZE)])
+    rank0 = ModelScorer(tiny_model(0), n_slots=1, sample=True)
+    other = ModelScorer(tiny_model(0), n_slots=1, sample=False)
+    v0, v1 = rank0.verify([row], drafts), other.verify([row], drafts)
+    assert rank0.generators.by_key and not other.generators.by_key  # no generator, no draws
+    assert v0.ok.shape == v1.ok.shape
