@@ -21,7 +21,7 @@ import torch
 from . import prompt_lookup
 from .contracts import Drafts, DraftSource, Row
 from .runner import Runner
-from .sampling import Generators, probs, speculative_row
+from .sampling import Generators, probs, speculative_row, wire_q
 from .verify import decide, greedy_check, padded
 
 
@@ -101,7 +101,7 @@ class ModelDrafter:
             unsure = self._step([rows[b] for b in active], [drafts[b] for b in active], [qs[b] for b in active])
             active = [b for i, b in enumerate(active) if len(drafts[b]) < rows[b].k and i not in unsure]
             forwards += 1
-        q = [torch.stack(q) if rows[b].sampled else None for b, q in enumerate(qs)]
+        q = [wire_q(torch.stack(q)) if rows[b].sampled else None for b, q in enumerate(qs)]  # [n, V] each
         return Drafts(drafts, q, forwards)
 
     def _step(self, rows: list[Row], drafts: list[list[int]], qs: list[list]) -> set[int]:

@@ -45,6 +45,17 @@ class Generators:
             self.by_key.pop(key, None)
 
 
+SPARSE_BELOW = 0.1  # q's nonzero fraction under which its sparse form is smaller (20 vs 4 bytes an entry)
+
+
+def wire_q(q: torch.Tensor) -> torch.Tensor:
+    """q [n, V] as it travels to the verifier (through Ray when the drafter is remote): its sparse
+    COO form when top-p left few nonzeros (a nucleus of hundreds of ids out of 152k: kilobytes
+    instead of n x 600 KB), else dense. Exact either way: the same numbers, densified on arrival."""
+    nonzero = int((q != 0).sum())
+    return q.to_sparse() if nonzero < SPARSE_BELOW * q.numel() else q
+
+
 def _sample(p: torch.Tensor, generator) -> torch.Tensor:
     return torch.multinomial(p, 1, generator=generator).squeeze(-1)
 
@@ -59,7 +70,10 @@ def speculative_row(p: torch.Tensor, drafts: torch.Tensor, n: int, q: torch.Tens
     d = drafts[:n].to(dev)
     at = torch.arange(n, device=dev)
     p_d = p[at, d]
-    q = torch.nn.functional.one_hot(d, p.shape[-1]).to(p.dtype) if q is None else q.to(dev)
+    if q is None:
+        q = torch.nn.functional.one_hot(d, p.shape[-1]).to(p.dtype)
+    else:  # [n, V]; sparse when it came over the wire that way (wire_q)
+        q = (q.to_dense() if q.is_sparse else q).to(dev)
     q_d = q[at, d]
     u = torch.rand(n, generator=generator, device=dev)
     ok = torch.zeros(K, dtype=torch.bool)

@@ -225,3 +225,22 @@ def test_a_rank_whose_verdict_is_unread_does_not_sample():
     v0, v1 = rank0.verify([row], drafts), other.verify([row], drafts)
     assert rank0.generators.by_key and not other.generators.by_key  # no generator, no draws
     assert v0.ok.shape == v1.ok.shape
+
+
+# ---- the draft distribution on the wire
+def test_a_top_p_q_travels_sparse_and_verifies_the_same():
+    import pickle
+
+    from fly_serve.sampling import probs, speculative_row, wire_q
+
+    torch.manual_seed(0)
+    V = 50_000
+    q = probs(torch.randn(4, V) * 4, 1.0, top_p=0.9)  # [n, V], a nucleus of a few thousand ids
+    p = probs(torch.randn(5, V) * 4, 1.0, top_p=0.9)
+    sent = wire_q(q)
+    assert sent.is_sparse and len(pickle.dumps(sent)) < len(pickle.dumps(q)) / 5
+    assert not wire_q(probs(torch.randn(4, V), 1.0)).is_sparse  # top-p 1: dense is smaller
+    drafts = torch.tensor([3, 7, 11, 13])
+    dense = speculative_row(p, drafts, 4, q, torch.Generator().manual_seed(1))
+    sparse = speculative_row(p, drafts, 4, pickle.loads(pickle.dumps(sent)), torch.Generator().manual_seed(1))
+    assert all(torch.equal(a, b) for a, b in zip(dense, sparse))
