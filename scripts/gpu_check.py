@@ -16,6 +16,7 @@ target cost ratio, peak memory. Under 8 minutes on one H200.
 """
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -169,9 +170,13 @@ def costs(model, device, reps: int) -> dict:
             continue
         set_capture(runner, capture)
         mode = "graphs" if capture else "eager"
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
         for b in BATCHES:
             for t in TOKENS if not capture else (1,):  # graphs replay one-token forwards only
                 out[f"{mode}_b{b}_t{t}_ms"] = forward_ms(runner, b, t, reps)
+        if device.type == "cuda":  # weights + KV pool + this mode's activations (and graph pools)
+            out[f"{mode}_peak_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
         if capture:
             out["graphs_captured"] = len(runner.graphs.static)
             out["graphs_error"] = runner.graphs.failed
@@ -179,13 +184,11 @@ def costs(model, device, reps: int) -> dict:
 
 
 def cost_of(shape: dict, device, small: bool, reps: int) -> dict:
+    gc.collect()  # the engines of earlier parts hold cycles: free their GPU memory first
     if device.type == "cuda":
         torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
     model = build(shape, torch.bfloat16 if device.type == "cuda" else torch.float32, device, small, seed=2)
     out = costs(model, device, reps)
-    if device.type == "cuda":
-        out["peak_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     out["params_b"] = round(sum(p.numel() for p in model.parameters()) / 1e9, 3)
     del model
     return out
