@@ -22,6 +22,7 @@ import torch
 
 from . import prompts
 from .contracts import Drafter, Drafts, RoundResult, Row, Scorer
+from .detokenizer import IncrementalText, find_stop, held_back
 from .drafters import LookupDrafter, ModelDrafter, SourceDrafter
 from .params import ParamError, Params
 from .request_stats import RequestStats
@@ -42,7 +43,7 @@ def kv_need(n_prompt: int, params: Params) -> int:
 
 
 class Request:
-    def __init__(self, request_id: str, prompt_ids: list[int], params: Params):
+    def __init__(self, request_id: str, prompt_ids: list[int], params: Params, tokenizer):
         self.id, self.params = request_id, params
         self.tokens = list(prompt_ids)
         self.n_prompt = len(prompt_ids)
@@ -51,6 +52,7 @@ class Request:
         self.error: str | None = None  # why the request failed (finish_reason "error")
         self.text = ""  # the output so far, cut at a stop string
         self.streamed = 0  # characters of text already handed out by delta()
+        self.detokenizer = IncrementalText(tokenizer)
 
     @property
     def generated(self) -> list[int]:
@@ -63,15 +65,7 @@ class Request:
     def delta(self) -> str:
         """Text not yet handed out; holds back what may still change (a partial UTF-8 character,
         the start of a stop string) until the request finishes."""
-        end = len(self.text)
-        if not self.finished:
-            if self.text.endswith("\ufffd"):
-                end -= 1
-            for s in self.params.stop:
-                for n in range(min(len(s) - 1, end), 0, -1):
-                    if self.text[end - n : end] == s[:n]:
-                        end = min(end, len(self.text) - n)
-                        break
+        end = len(self.text) - (0 if self.finished else held_back(self.text, self.params.stop))
         out = self.text[self.streamed : end]
         self.streamed = max(self.streamed, end)
         return out
@@ -142,7 +136,7 @@ class Engine:
             )
         if params.mode_spec.drafter and self.drafters[params.mode_spec.drafter] is None:
             raise ParamError("mode", f"{params.mode!r} needs a draft model and this engine has none")
-        return Request(request_id or f"req-{next(self._ids)}", prompt, params)
+        return Request(request_id or f"req-{next(self._ids)}", prompt, params, self.tokenizer)
 
     def abort(self, request_id: str) -> None:
         for req in list(self.waiting) + self.running:
@@ -362,10 +356,13 @@ class Engine:
                 break
         req.tokens.extend(new)
         req.stats.emitted += len(new)
-        req.text = self.tokenizer.decode(req.generated, skip_special_tokens=True)
-        cuts = [i for i in (req.text.find(s) for s in p.stop) if i >= 0]
-        if cuts:
-            req.text, req.finish_reason = req.text[: min(cuts)], "stop"
+        searched = len(req.text)  # text already searched for stop strings
+        req.text += req.detokenizer.add(new)
+        if req.finished or len(req.generated) >= p.max_tokens:
+            req.text += req.detokenizer.flush()
+        cut = find_stop(req.text, p.stop, searched)
+        if cut is not None:
+            req.text, req.finish_reason = req.text[:cut], "stop"
         if not req.finished and len(req.generated) >= p.max_tokens:
             req.finish_reason = "length"
         return len(new)
