@@ -18,12 +18,15 @@ cost check sees a drafting round, so a wrong seed (a profile that overprices dra
 itself within a few probes, and a row that was written off is tried again.
 """
 
+import logging
 import math
 
 from .acceptance import AcceptanceTracker
 from .allocator import Plan, RowInfo, min_confidence_for, plan
 from .cost_check import CostCheck
-from .round_cost import MODEL, NONE, CostProfile, RoundCostModel, tokens_per_forward
+from .round_cost import MODEL, NONE, CostProfile, RoundCostModel
+
+log = logging.getLogger("fly_serve.speculation_policy")
 
 
 class SpeculationPolicy:
@@ -124,7 +127,7 @@ class SpeculationPolicy:
         per_row = row_forwards if row_forwards is not None else [None] * len(keys)
         self.tracker.observe_round(keys, drafted, kept, [f if m else None for f, m in zip(per_row, model)])
         rows_in_forwards = sum(
-            (f if f is not None else min(forwards, math.ceil(n / self._tpf(key) - 1e-9)))
+            (f if f is not None else min(forwards, math.ceil(n / self.tracker.tokens_per_forward(key) - 1e-9)))
             for key, n, f, m in zip(keys, drafted, per_row, model)
             if m and n > 0
         )
@@ -132,6 +135,7 @@ class SpeculationPolicy:
             self.cost, sum(n + 1 for n in drafted), verify_s, forwards, rows_in_forwards, draft_s
         )
         if better is not None:
+            log.info("k auto: measured rounds contradict the cost profile's shape; replaced by %s", better.to_dict())
             self.set_profile(better)
 
     def release(self, keys):
@@ -139,6 +143,3 @@ class SpeculationPolicy:
             self.tracker.forget(key)
             self._idle.pop(key, None)
             self._probing.discard(key)
-
-    def _tpf(self, key: str) -> float:
-        return tokens_per_forward(RowInfo(key, 0, tokens_per_forward=self.tracker.tokens_per_forward(key)))
