@@ -13,9 +13,10 @@ same ks round by round, whatever the clock measured. Only a new profile changes 
 explicit recalibration (set_profile) or the cost check, which ignores noise below its tolerance.
 
 Exploration. A row the plan leaves at k = 0 for `probe_every` rounds in a row gets a probe round
-of min(probe_k, its cap) drafts (with no early stop): its acceptance is measured again, and the
-cost check sees a drafting round, so a wrong seed (a profile that overprices drafting) corrects
-itself within a few probes, and a row that was written off is tried again.
+of min(probe_k, its cap) drafts (with no early stop; at most `max_probes` rows a round): its
+acceptance is measured again, and the cost check sees a drafting round, so a wrong seed (a
+profile that overprices drafting) corrects itself within a few probes, and a row that was
+written off is tried again.
 """
 
 import logging
@@ -42,12 +43,13 @@ class SpeculationPolicy:
         *,
         probe_every: int = 6,
         probe_k: int = 4,
+        max_probes: int = 1,
         check: CostCheck | None = None,
     ):
         self.cost = cost or RoundCostModel()
         self.tracker = tracker or AcceptanceTracker()
         self.check = check if check is not None else CostCheck()
-        self.probe_every, self.probe_k = probe_every, probe_k
+        self.probe_every, self.probe_k, self.max_probes = probe_every, probe_k, max_probes
         self.last: Plan | None = None  # the plan of the round last chosen (before probes)
         self._idle: dict[str, int] = {}  # rounds in a row the plan left each row at k = 0
         self._probing: set[str] = set()  # rows probed in the round last chosen
@@ -83,21 +85,24 @@ class SpeculationPolicy:
             for r in rows
         ]
         self.last = plan(rows, self.cost)
-        return [self._probe(r, k) for r, k in zip(rows, self.last.ks)]
+        return self._probe(rows, list(self.last.ks))
 
-    def _probe(self, row: RowInfo, k: int) -> int:
-        """k, or a probe's k for an adaptive row that has sat at k = 0 for probe_every rounds."""
-        self._probing.discard(row.key)
-        if row.fixed or row.drafter == NONE or row.k_max <= 0 or k > 0:
-            self._idle.pop(row.key, None)
-            return k
-        idle = self._idle.get(row.key, 0) + 1
-        if idle <= self.probe_every:
-            self._idle[row.key] = idle
-            return 0
-        self._idle[row.key] = 0
-        self._probing.add(row.key)
-        return min(self.probe_k, row.k_max)
+    def _probe(self, rows: list[RowInfo], ks: list[int]) -> list[int]:
+        """ks, with a probe's k for adaptive rows that have sat at k = 0 for more than probe_every
+        rounds: at most max_probes a round, the longest idle first (ties: batch order), so a large
+        batch where drafting does not pay pays for one probe a round and every row gets its turn."""
+        idle = self._idle
+        for r, k in zip(rows, ks):
+            if r.fixed or r.drafter == NONE or r.k_max <= 0 or k > 0:
+                idle.pop(r.key, None)
+            else:
+                idle[r.key] = idle.get(r.key, 0) + 1
+        due = [b for b, r in enumerate(rows) if idle.get(r.key, 0) > self.probe_every]
+        due.sort(key=lambda b: -idle[rows[b].key])  # stable: batch order among equals
+        self._probing = {rows[b].key for b in due[: self.max_probes]}
+        for b in due[: self.max_probes]:
+            ks[b], idle[rows[b].key] = min(self.probe_k, rows[b].k_max), 0
+        return ks
 
     def min_confidence(self, key: str | None = None) -> float:
         """The drafter's stop threshold for the round last chosen (min_confidence_for); 0 for a

@@ -445,6 +445,19 @@ def test_probes_only_where_drafting_does_not_pay():
     assert policy.check.corrections == 0  # a uniformly slower machine is not a wrong shape
 
 
+def test_a_batch_probes_one_row_a_round_in_turn():
+    verify = lambda n: 2 * float(RoundCostModel(WRONG_SEED).verify_s(n))
+    draft = lambda f, rf: 2 * 0.05 * f
+    policy = SpeculationPolicy.from_profile(WRONG_SEED)
+    truth = {f"r{b}": 0.3 for b in range(8)}
+    history = np.array(run_policy(policy, truth, verify, draft, 70))  # [rounds, rows]
+    probes = history > 0
+    assert probes.sum(1).max() == 1  # never more than one probe in a round
+    assert probes[7:].sum(1).min() == 1  # once rows are due, one probes every round
+    assert probes.sum(0).min() >= 6  # every row in turn
+    assert set(history.ravel()) == {0, policy.probe_k} and policy.check.corrections == 0
+
+
 def test_plans_do_not_follow_wall_clock_noise():
     """Two rows on a calibrated profile, times with 10% noise: the same ks whatever the noise."""
     verify = lambda n: 0.1 + 0.002 * n
