@@ -1,6 +1,7 @@
 """`fly-serve generate "prompt"`: FLy on the embedded default pair (or any other pair);
 `fly-serve serve`: the Ray Serve application on 127.0.0.1:8000; `fly-serve tune-k`: cost curves,
-acceptance and the best k per batch size on this machine, and a `speculation_profile` for Serve."""
+acceptance and the best k per batch size on this machine, written to k "auto"'s cost-profile cache
+(and printed as a `speculation_profile` override)."""
 
 import argparse
 import json

@@ -1,11 +1,13 @@
 """The one engine factory: a target and a drafter, by name or already loaded, in; an Engine out."""
 
+from .cost_calibration import calibrate_engine, calibration_key, model_name
 from .drafters import ModelDrafter
 from .engine import Engine
 from .head_cut import check_head_cut
 from .loading import eos_ids, load_model, load_tokenizer
 from .model_scorer import ModelScorer
 from .params import Params
+from .round_cost import CostProfile
 from .weights import DEFAULT_DRAFTER, DEFAULT_TARGET, check_same_tokenizer
 
 
@@ -30,16 +32,22 @@ def build_engine(
     max_model_len: int = 4096,
     defaults: Params | None = None,
     draft_min_confidence: float = 0.0,
-    speculation_profile: dict | None = None,
+    speculation_profile: CostProfile | dict | None = None,
     kv_budget_tokens: int | None = None,
+    calibrate: bool | None = None,
     progress=print,
 ) -> Engine:
     """target / drafter: a model name (loading.py) or a loaded model; drafter None: no draft
     model (modes ar and pld). With a loaded target, pass its tokenizer. kv_budget_tokens: tokens
     each KV cache holds (default: max_batch sequences of 4096); requests are admitted within it.
     drafter_head_cut: cut a drafter loaded by name to the lm_head rows of ids below it (head_cut.py);
-    ignored without a drafter, refused with a loaded one (cut that with head_cut.cut_head)."""
+    ignored without a drafter, refused with a loaded one (cut that with head_cut.cut_head).
+    k "auto"'s cost profile: speculation_profile if given (an override), else measured here
+    (cost_calibration.py; cached per machine, models and versions) when calibrate is True, or
+    None and the defaults use k "auto"; otherwise the uncalibrated default shape, which the
+    policy's cost check corrects from the first rounds (calibrate_engine can still be called)."""
     check_head_cut(drafter_head_cut, "drafter_head_cut")
+    names = model_name(target), model_name(drafter)  # for the calibration's key, before loading
     if tokenizer is None:
         if not isinstance(target, str):
             raise ValueError("tokenizer: required when the target is an already-loaded model")
@@ -62,7 +70,7 @@ def build_engine(
         )
     max_model_len = min(max_model_len, target_model.config.max_position_embeddings)
     scorer = ModelScorer(target_model, n_slots=max_batch, vocab_size=len(tokenizer), kv_budget_tokens=kv_budget_tokens)
-    return Engine(
+    engine = Engine(
         scorer,
         draft,
         tokenizer,
@@ -72,3 +80,14 @@ def build_engine(
         defaults=defaults,
         speculation_profile=speculation_profile,
     )
+    if speculation_profile is None and (engine.defaults.auto_k if calibrate is None else calibrate):
+        key = calibration_key(
+            *names,
+            dtype=dtype,
+            drafter_precision=drafter_precision,
+            max_batch=max_batch,
+            k_max=engine.defaults.k_max,
+            drafter_head_cut=drafter_head_cut,
+        )
+        calibrate_engine(engine, key, progress=progress)
+    return engine

@@ -21,12 +21,14 @@ from collections import deque
 import torch
 
 from . import prompts
+from .allocator import RowInfo
 from .contracts import Drafter, Drafts, RoundResult, Row, Scorer
 from .detokenizer import IncrementalText, find_stop, held_back
 from .drafters import LookupDrafter, ModelDrafter, SourceDrafter
 from .params import ParamError, Params
 from .request_stats import RequestStats
-from .speculation_policy import MODEL, NONE, PLD, RECYCLE, SUFFIX, RowInfo, SpeculationPolicy
+from .round_cost import MODEL, NONE, PLD, RECYCLE, SUFFIX, CostProfile
+from .speculation_policy import SpeculationPolicy
 from .suffix_index import SuffixIndex
 from .token_recycling import TokenRecycling
 from .verify import decide, plausible_mask, window_positions
@@ -81,7 +83,7 @@ class Engine:
         max_batch: int = 8,
         max_model_len: int = 4096,
         defaults: Params | None = None,
-        speculation_profile: dict | None = None,
+        speculation_profile: CostProfile | dict | None = None,
         suffix_max_tokens: int = 1_000_000,
         recycle_top_k: int = 8,
     ):
@@ -102,7 +104,8 @@ class Engine:
         self.eos_ids = set(eos_ids)
         self.max_batch, self.max_model_len = max_batch, max_model_len
         self.defaults = defaults or Params()
-        # k "auto": the round's cost model (seeded by `fly-serve tune-k`) and each row's acceptance
+        # k "auto": the round's cost model (measured where it runs: cost_calibration.py) and each
+        # row's acceptance
         self.policy = SpeculationPolicy.from_profile(speculation_profile)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -262,10 +265,11 @@ class Engine:
             [r.key for r in rows],
             [len(d) for d in drafts.tokens],
             a_list,
+            kinds=[POLICY_KINDS[req.params.mode_spec.drafter] for req in batch],
             draft_s=t1 - t0,
             verify_s=t2 - t1,
             forwards=drafts.forwards,
-            other_s=time.perf_counter() - t2,
+            row_forwards=drafts.row_forwards,
         )
         return result
 
@@ -279,10 +283,9 @@ class Engine:
             for req, row in zip(batch, rows)
         ]
         ks = self.policy.choose(infos)
-        stop_below = self.policy.min_confidence()
         for req, row, k in zip(batch, rows, ks):
             if req.params.auto_k:
-                row.k, row.min_confidence = k, stop_below
+                row.k, row.min_confidence = k, self.policy.min_confidence(row.key)
 
     def _row(self, req: Request) -> Row:
         p = req.params
@@ -314,6 +317,12 @@ class Engine:
                 got = self.drafters["lookup"].propose([rows[b] for b in idx])
             for i, b in enumerate(idx):
                 drafts.tokens[b], drafts.q[b] = got.tokens[i], got.q[i]
+            if kind == "model" and not fallback:  # the forwards k "auto" costs and learns MLA from
+                drafts.forwards = got.forwards
+                if got.row_forwards is not None:
+                    drafts.row_forwards = drafts.row_forwards or [0] * len(rows)
+                    for i, b in enumerate(idx):
+                        drafts.row_forwards[b] = got.row_forwards[i]
         return drafts, fallback
 
     def _recycle(self, rows: list[Row], drafts: Drafts, verdict) -> None:
