@@ -105,3 +105,55 @@ def test_soak_classifies_the_openai_clients_transport_errors():
         assert soak.transport_error(t.ConnectError("refused"), "HTTPError")
         assert not soak.transport_error(t.ConnectError("refused"), "TimeoutException")
     assert not soak.transport_error(ValueError("x"), "HTTPError")
+
+
+def test_fuzz_draws_fresh_cases_and_records_every_server_error():
+    """fuzz.py against a small in-process FastAPI app (no Ray): a route that answers 500 for a
+    negative number is caught with the run's seed; a sound route has none; each run a new seed."""
+    import threading
+
+    import uvicorn
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse
+    from pydantic import BaseModel
+
+    from fly_load.fuzz import fuzz_app
+    from fly_serve.tp import free_port
+
+    class Body(BaseModel):
+        n: int
+        max_tokens: int = 1
+
+    app = FastAPI()
+
+    @app.post("/fragile")
+    def fragile(body: Body):
+        return JSONResponse({"error": "boom"}, status_code=500) if body.n < 0 else {"n": body.n}
+
+    @app.post("/sound")
+    def sound_route(body: Body):
+        return {"n": body.n, "max_tokens": body.max_tokens}
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        assert until(lambda: server.started or None, timeout_s=30, poll_s=0.05)
+        url = f"http://127.0.0.1:{port}"
+        first, second = fuzz_app(url, cases_per_route=40), fuzz_app(url, cases_per_route=40)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+    assert first.seed != second.seed
+    for run in (first, second):
+        assert set(run.declared) == {"/fragile", "/sound"}
+        assert [(r.route, r.mode) for r in run.routes] == [
+            (route, mode) for route in ("POST /fragile", "POST /sound") for mode in ("positive", "negative")
+        ]
+        assert list(run.server_errors) == ["POST /fragile (positive)"]  # negative bodies get 422 first
+        assert run.server_errors["POST /fragile (positive)"][0].startswith("500 ")
+        sound = [r for r in run.routes if r.route == "POST /sound"]
+        assert sum(r.cases for r in sound) >= 40 and set(sound[0].statuses) == {200}
+        assert not any(status >= 500 for status in sound[1].statuses) and 422 in sound[1].statuses
+        assert run.summary()["seed"] == run.seed
