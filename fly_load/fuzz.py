@@ -36,6 +36,7 @@ class FuzzRun:
     seed: int  # the run's seed: each route and mode draws from seed + its index
     declared: list[str]  # POST paths whose request body the served schema declares
     routes: list[RouteFuzz]
+    asked_per_route: int  # cases asked for; a route that got fewer stopped at a 5xx (or ran dry)
 
     def cases_per_route(self) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -60,6 +61,7 @@ class FuzzRun:
             "seed": self.seed,
             "bodies_declared": self.declared,
             "cases_per_route": self.cases_per_route(),
+            "routes_short_of_cases": [r for r, n in self.cases_per_route().items() if n < self.asked_per_route],
             "statuses": statuses,
             "server_errors": self.server_errors,
         }
@@ -130,4 +132,4 @@ def fuzz_app(
             out = RouteFuzz(f"{op.method.upper()} {op.path}", mode.value, seed + len(routes))
             fuzz_route(op, mode, url, session, out, per_mode, max_tokens, timeout_s)
             routes.append(out)
-    return FuzzRun(seed, declared, routes)
+    return FuzzRun(seed, declared, routes, per_mode * len(modes))

@@ -156,4 +156,5 @@ def test_fuzz_draws_fresh_cases_and_records_every_server_error():
         sound = [r for r in run.routes if r.route == "POST /sound"]
         assert sum(r.cases for r in sound) >= 40 and set(sound[0].statuses) == {200}
         assert not any(status >= 500 for status in sound[1].statuses) and 422 in sound[1].statuses
-        assert run.summary()["seed"] == run.seed
+        assert run.summary()["seed"] == run.seed and run.asked_per_route == 40
+        assert run.summary()["routes_short_of_cases"][0] == "POST /fragile"  # its positive half stopped at a 500
