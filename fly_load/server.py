@@ -47,7 +47,8 @@ class ServeProcess:
             start_new_session=True,  # its Ray lives in this process group: kill_group reaches all of it
         )
         self.url = f"http://127.0.0.1:{port}"
-        threading.Thread(target=self._read, daemon=True).start()
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
 
     def _read(self) -> None:
         for line in self.proc.stdout:
@@ -55,8 +56,14 @@ class ServeProcess:
 
     def wait_for(self, text: str, timeout_s: float) -> bool:
         """Whether a line of its output holds `text` within timeout_s (False once it has exited)."""
-        seen = lambda: any(text in line for line in self.lines)
-        return bool(until(lambda: True if seen() else (seen() if self.proc.poll() is not None else None), timeout_s))
+
+        def seen() -> bool | None:
+            if self.proc.poll() is not None:
+                self.reader.join(timeout=10)  # its last lines, up to the end of its output
+                return any(text in line for line in self.lines)
+            return True if any(text in line for line in self.lines) else None
+
+        return bool(until(seen, timeout_s))
 
     def stop(self, timeout_s: float) -> int | None:
         """SIGTERM (a graceful stop), then the whole group if it is not gone within timeout_s;
