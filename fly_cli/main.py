@@ -12,9 +12,8 @@ from dataclasses import MISSING
 
 from fly_bench import run as bench
 from fly_cli import tune_k
-from fly_serve.loading import DTYPES, PRECISIONS
+from fly_cli.pair import add_pair
 from fly_serve.params import ParamError, Params, knobs
-from fly_serve.weights import DEFAULT_DRAFTER, DEFAULT_TARGET
 
 
 def _int_or_word(value: str):
@@ -49,30 +48,6 @@ def add_knobs(p: argparse.ArgumentParser) -> None:
 
 def params_from(args) -> Params:
     return Params(**{f.name: getattr(args, f.name) for f in knobs()})
-
-
-def add_pair(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", default=DEFAULT_TARGET, help="model name, local directory or hub id")
-    p.add_argument("--drafter", default=DEFAULT_DRAFTER, help="model name, local directory or hub id")
-    p.add_argument(
-        "--dtype",
-        choices=["auto", *DTYPES],
-        default="auto",
-        help="target precision (auto: bf16 with hardware bf16, else fp32)",
-    )
-    p.add_argument("--drafter-precision", choices=PRECISIONS, default="int8")
-    p.add_argument(
-        "--drafter-head-cut",
-        type=int,
-        default=None,
-        help="cut the drafter's lm_head to the ids below this (plus the tokenizer's added tokens)",
-    )
-    p.add_argument(
-        "--draft-min-confidence",
-        type=float,
-        default=0.0,
-        help="stop drafting a row once the drafter's probability of its token is below this",
-    )
 
 
 def generate(args) -> None:

@@ -297,7 +297,7 @@ class TuneResult:
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    from fly_cli.main import add_pair
+    from fly_cli.pair import add_pair
 
     add_pair(p)
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8], help="batch sizes to profile")

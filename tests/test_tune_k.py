@@ -129,3 +129,14 @@ def test_measured_speedup_runs_both_modes(tiny_engine):
     # a batch that ends in its first round: that round's rate (there is no other)
     assert tune_k.decode_tokens_per_s(tiny_engine, prompts, dict(mode="ar", max_tokens=1)) > 0
     assert not tiny_engine.has_work()
+
+
+def test_tune_k_and_the_cli_do_not_import_each_other():
+    """tune_k takes the pair flags from fly_cli/pair.py, not from main.py (which imports tune_k)."""
+    import subprocess
+    import sys
+
+    code = "import argparse, sys; from fly_cli import tune_k; tune_k.add_args(argparse.ArgumentParser()); "
+    code += "print('fly_cli.main' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "False"
