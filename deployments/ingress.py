@@ -175,15 +175,6 @@ async def _validation_error(request: Request, e: RequestValidationError):
     return JSONResponse(body, status_code=400, headers=ids.headers())
 
 
-def request_field(body, param: str | None) -> str | None:
-    """Name an engine field as the client sent it: "fly.k", "messages" for a chat prompt."""
-    if param == "prompt" and isinstance(body, ChatRequest):
-        return "messages"
-    if body.fly is not None and param in body.fly.model_fields_set:
-        return f"fly.{param}"
-    return param
-
-
 def sse(body) -> str:
     return f"data: {body if isinstance(body, str) else json.dumps(body)}\n\n"
 
@@ -501,7 +492,7 @@ class Ingress:
                 params = body.params()
                 prompt = await asyncio.to_thread(self._prompt_ids, body, chat)
             except ParamError as e:
-                raise ApiError(400, str(e), request_field(body, e.field)) from None
+                raise ApiError(400, str(e), body.client_field(e.field)) from None
             updates = await self._submit(ids, body, prompt, params, arrival)
             shape = Shape(chat, rid, self.model_name)
             if not body.stream:
@@ -581,7 +572,7 @@ class Ingress:
         try:
             await self._watch(ids, lambda: asyncio.shield(admitted))
         except ParamError as e:
-            raise ApiError(400, str(e), request_field(body, e.field)) from None
+            raise ApiError(400, str(e), body.client_field(e.field)) from None
         except BaseException:  # the client left, or the loop is down: never leave the request running
             admitted.cancel()
             self.loop.abort(ids.engine)

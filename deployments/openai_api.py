@@ -1,7 +1,10 @@
 """OpenAI wire format: request bodies (pydantic), response / chunk bodies, error bodies.
 
-Unknown top-level OpenAI fields are ignored (clients send many); the `fly` object is strict,
-since a mistyped knob silently ignored would measure the wrong thing. Bodies are parsed here, not
+Unknown top-level fields are ignored (clients send many); the `fly` object is strict, since a
+mistyped knob silently ignored would measure the wrong thing. Every field is parsed strictly, as
+OpenAI's API does: a number is a JSON number (not "0.5", not true), an integer has no fraction.
+OpenAI fields that this server does not apply are still checked (`NotApplied`), so that a value
+OpenAI would refuse is refused here too, naming the field. Bodies are parsed here, not
 by FastAPI, so that the ingress can check their size and the caller's key before any parsing.
 Error bodies carry only what the client needs (field, reason, request id): `clean()` keeps
 control characters, escapes and unencodable text out of them.
@@ -31,15 +34,39 @@ def _api_fields(group: str) -> dict:
     return out
 
 
-FlyOptions = create_model("FlyOptions", __config__=ConfigDict(extra="forbid"), **_api_fields("fly"))
-Sampling = create_model("Sampling", __config__=ConfigDict(extra="ignore"), **_api_fields("openai"))
+STRICT = ConfigDict(strict=True, allow_inf_nan=False)  # NaN / Infinity: JSON allows them, no field means them
+FlyOptions = create_model("FlyOptions", __config__=STRICT | ConfigDict(extra="forbid"), **_api_fields("fly"))
+Sampling = create_model("Sampling", __config__=STRICT | ConfigDict(extra="ignore"), **_api_fields("openai"))
 
 
 class StreamOptions(BaseModel):
+    model_config = STRICT
     include_usage: bool = False
 
 
-class Common(Sampling):
+class NotApplied(BaseModel):
+    """OpenAI fields accepted and not applied (README, "Serving"): checked as OpenAI checks them;
+    a value that would change the output (logprobs, logit_bias, echo, best_of > 1) is a 400
+    naming the field rather than an answer that silently lacks it."""
+
+    model_config = STRICT
+    presence_penalty: float | None = Field(None, ge=-2, le=2)  # not applied
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)  # not applied
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool | None = None
+    best_of: int | None = Field(None, ge=1, le=20)
+
+    def refuse_unsupported(self, logprobs) -> None:
+        for name, value in (("logprobs", logprobs), ("logit_bias", self.logit_bias), ("echo", self.echo)):
+            if value:
+                raise ParamError(name, "not supported by this server")
+        if self.best_of not in (None, 1):
+            raise ParamError("best_of", "only best_of=1 is supported")
+
+
+class Common(Sampling, NotApplied):
     model: str | None = None
     n: int = 1
     stream: bool = False
@@ -50,13 +77,21 @@ class Common(Sampling):
         """Engine params: only what the client set; the engine fills in its defaults."""
         if self.n != 1:
             raise ParamError("n", "only n=1 is supported")
+        self.refuse_unsupported(getattr(self, "logprobs", None))
         own = {k: getattr(self, k) for k in Sampling.model_fields}
         fly = self.fly.model_dump(exclude_none=True) if self.fly else {}
         return {k: v for k, v in own.items() if v is not None} | fly
 
+    def client_field(self, param: str | None) -> str | None:
+        """An engine field (a ParamError's) as the client sent it: "fly.k" for a knob of `fly`."""
+        if self.fly is not None and param in self.fly.model_fields_set:
+            return f"fly.{param}"
+        return param
+
 
 class CompletionRequest(Common):
     prompt: str | list[int] | list[str]
+    logprobs: int | None = Field(None, ge=0, le=5)
 
     def prompt_input(self):
         if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str):
@@ -67,6 +102,7 @@ class CompletionRequest(Common):
 
 
 class Message(BaseModel):
+    model_config = STRICT
     role: str
     content: str
 
@@ -74,12 +110,26 @@ class Message(BaseModel):
 class ChatRequest(Common):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = None
+    logprobs: bool | None = None
 
     def params(self) -> dict:
         p = super().params()
         if self.max_completion_tokens is not None:
             p.setdefault("max_tokens", self.max_completion_tokens)
         return p
+
+    def client_field(self, param: str | None) -> str | None:
+        if param == "prompt":
+            return "messages"
+        if param == "max_tokens" and self.max_tokens is None and self.max_completion_tokens is not None:
+            return "max_completion_tokens"
+        return super().client_field(param)
+
+
+# every field name of the request bodies, to tell a field from a union member in an error's location
+REQUEST_FIELDS = frozenset(
+    name for m in (CompletionRequest, ChatRequest, FlyOptions, Message, StreamOptions) for name in m.model_fields
+)
 
 
 class BodyError(ValueError):
@@ -103,8 +153,19 @@ def parse_body(raw: bytes, model: type[BaseModel]) -> BaseModel:
         return model.model_validate(obj)
     except ValidationError as e:
         first = e.errors(include_url=False, include_input=False)[0]
-        param = ".".join(str(p) for p in first.get("loc", ())) or None
+        param = ".".join(str(p) for p in field_path(first.get("loc", ()))) or None
         raise BodyError(f"{param or 'body'}: {first.get('msg')}", param) from None
+
+
+def field_path(loc: tuple) -> tuple:
+    """A pydantic error location as the client's field path: ("fly", "k", "int") names the
+    union member that failed last; the client sent "fly.k"."""
+    out = []
+    for part in loc:
+        if not (isinstance(part, int) or part in REQUEST_FIELDS):
+            break
+        out.append(part)
+    return tuple(out)
 
 
 def add_request_bodies(doc: dict, bodies: dict[str, type[BaseModel]]) -> None:

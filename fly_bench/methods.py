@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 from fly_serve.params import MODES, ParamError, Params
 
+from .timing import timed
+
 ALIASES = {"fly-nomla": ("fly", {"mla": False})}
 PEERS = {
     "hf-greedy": {},
@@ -93,27 +95,15 @@ def parse_method(spec: str) -> Method:
 
 # ---- running
 def run_engine(engine, method: Method, prompts: list[list[int]], settings: list[dict]) -> list[Output]:
-    """All prompts as one batch of the engine (engine.generate); settings: per prompt max_tokens,
+    """All prompts as one batch of the engine (timing.timed); settings: per prompt max_tokens,
     temperature, seed, stop. Wall time is shared evenly by the batch's samples."""
-    t0 = time.perf_counter()
-    reqs = engine.generate(prompts, [{"mode": method.base, **method.options, **s} for s in settings])
-    wall = time.perf_counter() - t0
     outs = []
-    for r in reqs:
-        if r.finish_reason == "error":
-            raise RuntimeError(f"{method.label}: request failed: {r.error}")
-        s = r.stats
+    for t in timed(engine, prompts, [{"mode": method.base, **method.options, **s} for s in settings]):
+        if t.finish_reason == "error":
+            raise RuntimeError(f"{method.label}: request failed: {t.error}")
         outs.append(
             Output(
-                r.generated,
-                r.text,
-                wall / len(reqs),
-                s.rounds,
-                s.drafted,
-                s.accepted,
-                s.loosely_accepted,
-                r.finish_reason,
-                s.first_loose_pos,
+                t.ids, t.text, t.wall_s, t.rounds, t.drafted, t.accepted, t.loosely, t.finish_reason, t.first_loose_pos
             )
         )
     return outs

@@ -1,6 +1,7 @@
 """`fly-serve generate "prompt"`: FLy on the embedded default pair (or any other pair);
 `fly-serve serve`: the Ray Serve application on 127.0.0.1:8000; `fly-serve tune-k`: cost curves,
-acceptance and the best k per batch size on this machine, and a `speculation_profile` for Serve."""
+acceptance and the best k per batch size on this machine, written to k "auto"'s cost-profile cache
+(and printed as a `speculation_profile` override)."""
 
 import argparse
 import json
@@ -11,9 +12,8 @@ from dataclasses import MISSING
 
 from fly_bench import run as bench
 from fly_cli import tune_k
-from fly_serve.loading import DTYPES, PRECISIONS
+from fly_cli.pair import add_pair
 from fly_serve.params import ParamError, Params, knobs
-from fly_serve.weights import DEFAULT_DRAFTER, DEFAULT_TARGET
 
 
 def _int_or_word(value: str):
@@ -48,30 +48,6 @@ def add_knobs(p: argparse.ArgumentParser) -> None:
 
 def params_from(args) -> Params:
     return Params(**{f.name: getattr(args, f.name) for f in knobs()})
-
-
-def add_pair(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", default=DEFAULT_TARGET, help="model name, local directory or hub id")
-    p.add_argument("--drafter", default=DEFAULT_DRAFTER, help="model name, local directory or hub id")
-    p.add_argument(
-        "--dtype",
-        choices=["auto", *DTYPES],
-        default="auto",
-        help="target precision (auto: bf16 with hardware bf16, else fp32)",
-    )
-    p.add_argument("--drafter-precision", choices=PRECISIONS, default="int8")
-    p.add_argument(
-        "--drafter-head-cut",
-        type=int,
-        default=None,
-        help="cut the drafter's lm_head to the ids below this (plus the tokenizer's added tokens)",
-    )
-    p.add_argument(
-        "--draft-min-confidence",
-        type=float,
-        default=0.0,
-        help="stop drafting a row once the drafter's probability of its token is below this",
-    )
 
 
 def generate(args) -> None:

@@ -1,12 +1,9 @@
 """`fly-serve tune-k`: what an operator needs before going live, for one target, one drafter and
 this machine.
 
-1. Cost curves. The target's verification seconds vs tokens in its forward, for every batch size
-   and k of a grid: `scorer.verify` on rows whose KV cache already holds a real context, with fresh
-   random drafts each time (the content-addressed cache keeps the prefix, so only the last token
-   and the drafts are fed, as in a round). The drafter's seconds per forward vs rows:
-   `ModelDrafter.propose` without MLA on warm rows at two drafting lengths, whose difference is
-   the cost of the extra forwards (and the rest, the drafter's cost per drafting round).
+1. Cost curves: fly_serve.cost_calibration.measure_profile, the measurement an engine runs at
+   start (the target's verification seconds by tokens in its forward, the drafter's seconds per
+   forward by rows), with this command's k_max, largest batch size and repetitions.
 2. Acceptance. `fly` and `spd` at batch 1 with k = k_max on calibration prompts (code, prose,
    math): per-token acceptance a = kept / (kept + rejections), as the policy's tracker counts it,
    the drafts per drafter forward (MLA) and the rest of a round's seconds (decide, commit).
@@ -14,23 +11,27 @@ this machine.
    RoundCostModel(profile).round_s([k] * B): the best fixed k and its expected speedup over k = 0,
    then the measured speedup of that k against `ar` (same process, same prompts; where the best k
    is 0, of k = 1, so the prediction that drafting does not pay is checked too).
-4. The profile, as YAML to paste under a Serve profile's `args:` (`speculation_profile:`).
+4. The profile: written to the cost-profile cache entry that build_engine(k_max=--k-max,
+   max_batch=the largest batch size) reads on this machine (unless --no-cache), and printed as
+   YAML for a Serve profile's `args:` (`speculation_profile:`, an override of the calibration).
 
 Nothing here asserts a speed: the numbers are this machine's, printed for the operator.
 """
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
 import yaml
 
-from fly_serve.contracts import Drafts, Row
-from fly_serve.speculation_policy import MODEL, RoundCostModel, RowInfo, expected_emitted
+from fly_serve.acceptance import expected_emitted
+from fly_serve.allocator import RowInfo
+from fly_serve.cost_calibration import calibration_key, measure_profile, save_cached
+from fly_serve.round_cost import MODEL, CostProfile, RoundCostModel
 
 # Calibration prompts: the kinds of text whose acceptance differs most (code repeats itself and
 # the drafter guesses it well; prose and math less so).
@@ -44,7 +45,6 @@ CALIBRATION_PROMPTS = (
     "Write a C function that reverses a singly linked list in place, with a short comment on each step and a "
     "main() that tests it on a list of five nodes.",
 )
-DRAFT_K = 4  # drafts per row when timing the drafter; compared with one draft
 QUICK_BATCH_SIZES = (1, 2)
 QUICK_K_MAX = 3
 
@@ -58,7 +58,6 @@ class Settings:
     max_tokens: int  # per calibration request
     measure_tokens: int  # per request of the measured speedup
     n_prompts: int  # calibration prompts
-    context_tokens: int  # context of the rows the cost curves time
 
     @property
     def k_grid(self) -> list[int]:
@@ -74,96 +73,10 @@ def k_grid(k_max: int) -> list[int]:
 
 def settings_from(args: argparse.Namespace) -> Settings:
     if args.quick:  # a smoke run: the whole pipeline, each part at its smallest
-        return Settings(list(QUICK_BATCH_SIZES), min(args.k_max, QUICK_K_MAX), 1, 8, 8, 1, args.context_tokens)
+        return Settings(list(QUICK_BATCH_SIZES), min(args.k_max, QUICK_K_MAX), 1, 8, 8, 1)
     return Settings(
-        sorted(set(args.batch_sizes)),
-        args.k_max,
-        args.reps,
-        args.max_tokens,
-        args.measure_tokens,
-        args.prompts,
-        args.context_tokens,
+        sorted(set(args.batch_sizes)), args.k_max, args.reps, args.max_tokens, args.measure_tokens, args.prompts
     )
-
-
-# ---- cost curves
-@dataclass
-class VerifyPoint:
-    batch: int
-    k: int
-    seconds: list[float]  # one per timed repetition
-
-    @property
-    def tokens(self) -> int:
-        return self.batch * (self.k + 1)
-
-
-@dataclass
-class DraftPoint:
-    rows: int
-    per_forward_s: float  # seconds one more batched drafter forward adds
-    per_round_s: float  # seconds of a drafting call beyond its forwards (catch-up, Python)
-
-
-def timing_contexts(prompts: list[list[int]], n_rows: int, length: int) -> list[list[int]]:
-    """Row b's context: the calibration prompts, starting at prompt b, cycled to `length` tokens
-    (real text of a realistic length; the rows differ where there are several prompts)."""
-    out = []
-    for b in range(n_rows):
-        tokens: list[int] = []
-        while len(tokens) < length:
-            for i in range(len(prompts)):
-                tokens += prompts[(b + i) % len(prompts)]
-        out.append(tokens[:length])
-    return out
-
-
-def timing_rows(contexts: list[list[int]], batch: int, k: int, entropy: str | None = "topk") -> list[Row]:
-    """The first `batch` contexts as greedy rows drafting k; entropy "topk": the target computes
-    the gate's entropy, as for `fly` rows. The keys are reused across batch sizes, so the caches
-    hold at most max(batch sizes) timing rows."""
-    return [Row(f"tune-k-{b}", contexts[b], k, mla=False, entropy=entropy) for b in range(batch)]
-
-
-def random_drafts(rows: list[Row], k: int, vocab: int, gen: torch.Generator) -> Drafts:
-    return Drafts([torch.randint(vocab, (k,), generator=gen).tolist() for _ in rows], [None] * len(rows))
-
-
-def time_verify(scorer, rows: list[Row], k: int, reps: int, gen: torch.Generator) -> list[float]:
-    """Seconds of scorer.verify on these rows with k fresh drafts each, `reps` times. The first
-    call (untimed) prefills rows new to the cache; after it each call feeds exactly the last
-    token and the k drafts of every row."""
-    scorer.verify(rows, random_drafts(rows, k, scorer.vocab_size, gen))
-    seconds = []
-    for _ in range(reps):
-        drafts = random_drafts(rows, k, scorer.vocab_size, gen)
-        t0 = time.perf_counter()
-        scorer.verify(rows, drafts)
-        seconds.append(time.perf_counter() - t0)
-    return seconds
-
-
-def time_propose(drafter, rows: list[Row], reps: int) -> tuple[float, int]:
-    """Median seconds of drafter.propose on these rows, and the forwards one call takes. One
-    untimed call first warms the drafter's cache with the rows."""
-    drafter.propose(rows)
-    seconds, forwards = [], 0
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        forwards = drafter.propose(rows).forwards
-        seconds.append(time.perf_counter() - t0)
-    return statistics.median(seconds), forwards
-
-
-def draft_point(drafter, contexts: list[list[int]], batch: int, reps: int) -> DraftPoint:
-    """Drafting 1 vs DRAFT_K tokens per row without MLA (one token per forward): the difference
-    is the extra forwards' seconds; what one forward leaves of the short call is per round."""
-    t_lo, f_lo = time_propose(drafter, timing_rows(contexts, batch, 1, None), reps)
-    t_hi, f_hi = time_propose(drafter, timing_rows(contexts, batch, DRAFT_K, None), reps)
-    per_forward = (t_hi - t_lo) / max(f_hi - f_lo, 1)
-    if per_forward <= 0:  # timing noise swamped the difference: the plain average instead
-        per_forward = t_hi / max(f_hi, 1)
-    return DraftPoint(batch, per_forward, max(t_lo - f_lo * per_forward, 0.0))
 
 
 # ---- acceptance
@@ -229,31 +142,8 @@ def calibrate(engine, prompts: list[list[int]], mode: str, k: int, max_tokens: i
 
 
 # ---- the profile
-def _sig(x: float) -> float:
-    return float(f"{x:.6g}")
-
-
-def build_profile(verify: list[VerifyPoint], draft: list[DraftPoint], overhead_s: float) -> dict:
-    """RoundCostModel's profile: verify knots at the distinct token counts (the median of every
-    repetition at that count, whatever batch and k gave it: the model reads tokens only), the
-    drafter's seconds per forward by rows, its per-round seconds (median over batch sizes)."""
-    by_tokens: dict[int, list[float]] = {}
-    for p in verify:
-        by_tokens.setdefault(p.tokens, []).extend(p.seconds)
-    tokens = sorted(by_tokens)
-    return {
-        "verify": {"tokens": tokens, "seconds": [_sig(statistics.median(by_tokens[n])) for n in tokens]},
-        "draft": {
-            "rows": [p.rows for p in draft],
-            "seconds": [_sig(p.per_forward_s) for p in draft],
-            "per_round": _sig(statistics.median(p.per_round_s for p in draft)),
-        },
-        "overhead_s": _sig(overhead_s),
-    }
-
-
-def profile_yaml(profile: dict, header: str = "") -> str:
-    body = yaml.safe_dump({"speculation_profile": profile}, default_flow_style=None, sort_keys=False)
+def profile_yaml(profile: CostProfile, header: str = "") -> str:
+    body = yaml.safe_dump({"speculation_profile": profile.to_dict()}, default_flow_style=None, sort_keys=False)
     return "".join(f"# {line}\n" for line in header.splitlines()) + body
 
 
@@ -311,7 +201,7 @@ class BatchRow:
         return self.spd_rates[self.spd_best_k] / self.spd_rates[0]
 
 
-def batch_rows(profile: dict, fly: Calibration, spd: Calibration, batch_sizes: list[int], k_max: int):
+def batch_rows(profile: CostProfile, fly: Calibration, spd: Calibration, batch_sizes: list[int], k_max: int):
     cost = RoundCostModel(profile)
     return [
         BatchRow(
@@ -377,17 +267,18 @@ def format_table(rows: list[BatchRow], k_max: int) -> str:
     return "\n".join(lines)
 
 
-def format_summary(fly: Calibration, spd: Calibration, profile: dict) -> str:
+def format_summary(fly: Calibration, spd: Calibration, profile: CostProfile) -> str:
     lines = [
         f"acceptance per draft at k = {c.k} ({c.mode}): a = {c.acceptance:.3f} ({c.kept} kept, {c.rejections} "
         f"rejections, {c.rounds} rounds), {c.tokens_per_forward:.2f} drafts per drafter forward"
         for c in (fly, spd)
     ]
-    v, d = profile["verify"], profile["draft"]
+    p = profile.to_dict()
+    v, d = p["verify"], p["draft"]
     lines.append(
-        f"verify seconds by tokens: {dict(zip(v['tokens'], v['seconds']))}; drafter seconds per forward by "
-        f"rows: {dict(zip(d['rows'], d['seconds']))}, per drafting round {d['per_round']}; rest of a round "
-        f"{profile['overhead_s']}"
+        f"verify seconds by tokens: {dict(zip(v['tokens'], v['seconds']))}; drafter seconds per forward: "
+        f"{d['per_forward']} + {d['per_row_forward']} per row, per drafting round {d['per_round']}; rest of "
+        f"a round {p['overhead_s']}"
     )
     return "\n".join(lines)
 
@@ -396,16 +287,17 @@ def format_summary(fly: Calibration, spd: Calibration, profile: dict) -> str:
 @dataclass
 class TuneResult:
     settings: Settings
-    profile: dict
+    profile: CostProfile
     fly: Calibration
     spd: Calibration
     rows: list[BatchRow] = field(default_factory=list)
     table: str = ""
     yaml: str = ""
+    cache_path: str | None = None  # the cost-profile cache entry written
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    from fly_cli.main import add_pair
+    from fly_cli.pair import add_pair
 
     add_pair(p)
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8], help="batch sizes to profile")
@@ -414,10 +306,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--measure-tokens", type=int, default=48, help="tokens per request of the measured speedup")
     p.add_argument("--reps", type=int, default=3, help="timed repetitions per point (median)")
     p.add_argument("--prompts", type=int, default=3, help="calibration prompts (code, prose, math, ...)")
-    p.add_argument("--context-tokens", type=int, default=200, help="context of the rows the cost curves time")
     p.add_argument("--quick", action="store_true", help="smoke run: batch 1 and 2, k 0/1/3, 1 rep, 8 tokens")
     p.add_argument("--out", default=None, help="write the YAML here (default: stdout, after the table)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random drafts")
+    p.add_argument("--no-cache", action="store_true", help="do not write the cost-profile cache entry")
 
 
 def check_settings(s: Settings) -> None:
@@ -425,28 +316,8 @@ def check_settings(s: Settings) -> None:
         raise SystemExit("error: --k-max must be >= 1")
     if min(s.batch_sizes) < 1:
         raise SystemExit("error: --batch-sizes must be >= 1")
-    if min(s.reps, s.max_tokens, s.measure_tokens, s.n_prompts, s.context_tokens) < 1:
-        raise SystemExit("error: --reps, --max-tokens, --measure-tokens, --prompts, --context-tokens must be >= 1")
-
-
-def measure_curves(engine, s: Settings, prompts: list[list[int]], gen: torch.Generator, bar):
-    contexts = timing_contexts(prompts, max(s.batch_sizes), s.context_tokens)
-    verify = []
-    for b in s.batch_sizes:
-        for k in s.k_grid:
-            bar.set_postfix_str(f"verify B={b} k={k}")
-            verify.append(VerifyPoint(b, k, time_verify(engine.scorer, timing_rows(contexts, b, k), k, s.reps, gen)))
-            bar.update()
-    draft = []
-    drafter = engine.drafters["model"]
-    for b in s.batch_sizes:
-        bar.set_postfix_str(f"drafter B={b}")
-        draft.append(draft_point(drafter, contexts, b, s.reps))
-        bar.update()
-    keys = [r.key for r in timing_rows(contexts, max(s.batch_sizes), 0)]
-    engine.scorer.release(keys)  # the timing rows' slots go back to the requests that follow
-    drafter.release(keys)
-    return verify, draft
+    if min(s.reps, s.max_tokens, s.measure_tokens, s.n_prompts) < 1:
+        raise SystemExit("error: --reps, --max-tokens, --measure-tokens, --prompts must be >= 1")
 
 
 def run(args: argparse.Namespace) -> TuneResult:
@@ -458,33 +329,53 @@ def run(args: argparse.Namespace) -> TuneResult:
     s = settings_from(args)
     check_settings(s)
     log = lambda msg: print(f"[tune-k] {msg}", file=sys.stderr, flush=True)
+    max_batch = max(s.batch_sizes)
     engine = build_engine(
         args.target,
         args.drafter,
         dtype=args.dtype,
         drafter_precision=args.drafter_precision,
         drafter_head_cut=args.drafter_head_cut,
-        max_batch=max(s.batch_sizes),
+        max_batch=max_batch,
         draft_min_confidence=args.draft_min_confidence,
+        calibrate=False,  # measured below, with this command's repetitions
         progress=log,
     )
-    gen = torch.Generator().manual_seed(args.seed)
+    # The cache entry build_engine(k_max=s.k_max, max_batch=max_batch) of this pair reads.
+    key = calibration_key(
+        args.target,
+        args.drafter,
+        dtype=args.dtype,
+        drafter_precision=args.drafter_precision,
+        max_batch=max_batch,
+        k_max=s.k_max,
+        drafter_head_cut=args.drafter_head_cut,
+    )
     prompts = calibration_prompts(engine.tokenizer, max(s.n_prompts, 1))
-    steps = len(s.batch_sizes) * (len(s.k_grid) + 1) + 2 * len(prompts) + 2 * len(s.batch_sizes)
+    steps = 2 * len(prompts) + 2 * len(s.batch_sizes)
     with tqdm(total=steps, desc="tune-k", file=sys.stderr, dynamic_ncols=True) as bar:
-        verify, draft = measure_curves(engine, s, prompts, gen, bar)
+        curves = measure_profile(
+            engine.scorer, engine.drafters["model"], k_max=s.k_max, max_batch=max_batch, reps=s.reps, progress=bar.write
+        )
         fly = calibrate(engine, prompts, "fly", s.k_max, s.max_tokens, bar)
         spd = calibrate(engine, prompts, "spd", s.k_max, s.max_tokens, bar)
-        profile = build_profile(verify, draft, statistics.median([fly.overhead_s, spd.overhead_s]))
+        overhead = statistics.median([fly.overhead_s, spd.overhead_s])
+        profile = dataclasses.replace(curves, overhead_s=overhead, source="fly-serve tune-k")
         rows = batch_rows(profile, fly, spd, s.batch_sizes, s.k_max)
         for r in rows:
             r.measured = measure_speedup(engine, prompts, r.batch, r.measured_k, s.measure_tokens, bar)
     header = (
         f"fly-serve tune-k: target {args.target} ({args.dtype}), drafter {args.drafter} ({args.drafter_precision}).\n"
-        "Paste under the Serve profile's args: (seeds k: auto's round cost model)."
+        "An override of k: auto's calibration: paste under the Serve profile's args only to pin it."
     )
     result = TuneResult(s, profile, fly, spd, rows, format_table(rows, s.k_max), profile_yaml(profile, header))
     print(format_summary(fly, spd, profile) + "\n\n" + result.table + "\n", flush=True)
+    if not args.no_cache:
+        result.cache_path = str(save_cached(key, profile))
+        log(
+            f"cost profile cached in {result.cache_path} "
+            f"(build_engine reads it with k_max {s.k_max}, max_batch {max_batch})"
+        )
     if args.out:
         with open(args.out, "w") as f:
             f.write(result.yaml)

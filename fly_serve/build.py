@@ -1,11 +1,13 @@
 """The one engine factory: a target and a drafter, by name or already loaded, in; an Engine out."""
 
+from .cost_calibration import calibrate_engine, calibration_key, model_name
 from .drafters import ModelDrafter
 from .engine import Engine
 from .head_cut import check_head_cut
 from .loading import eos_ids, load_model, load_tokenizer
 from .model_scorer import ModelScorer
 from .params import Params
+from .round_cost import CostProfile
 from .weights import DEFAULT_DRAFTER, DEFAULT_TARGET, check_same_tokenizer
 
 
@@ -30,11 +32,12 @@ def build_engine(
     max_model_len: int = 4096,
     defaults: Params | None = None,
     draft_min_confidence: float = 0.0,
-    speculation_profile: dict | None = None,
+    speculation_profile: CostProfile | dict | None = None,
     kv_budget_tokens: int | None = None,
     target_kv_budget_tokens: int | None = None,
     drafter_kv_budget_tokens: int | None = None,
     device=None,
+    calibrate: bool | None = None,
     progress=print,
 ) -> Engine:
     """target / drafter: a model name (loading.py) or a loaded model; drafter None: no draft
@@ -45,8 +48,13 @@ def build_engine(
     GPU beside a large drafter the two must be sized apart). device: where models given by name
     load (default: this process's, devices.local_device).
     drafter_head_cut: cut a drafter loaded by name to the lm_head rows of ids below it (head_cut.py);
-    ignored without a drafter, refused with a loaded one (cut that with head_cut.cut_head)."""
+    ignored without a drafter, refused with a loaded one (cut that with head_cut.cut_head).
+    k "auto"'s cost profile: speculation_profile if given (an override), else measured here
+    (cost_calibration.py; cached per machine, models and versions) when calibrate is True, or
+    None and the defaults use k "auto"; otherwise the uncalibrated default shape, which the
+    policy's cost check corrects from the first rounds (calibrate_engine can still be called)."""
     check_head_cut(drafter_head_cut, "drafter_head_cut")
+    names = model_name(target), model_name(drafter)  # for the calibration's key, before loading
     if tokenizer is None:
         if not isinstance(target, str):
             raise ValueError("tokenizer: required when the target is an already-loaded model")
@@ -72,7 +80,7 @@ def build_engine(
     max_model_len = min(max_model_len, target_model.config.max_position_embeddings)
     target_budget = target_kv_budget_tokens or kv_budget_tokens
     scorer = ModelScorer(target_model, n_slots=max_batch, vocab_size=len(tokenizer), kv_budget_tokens=target_budget)
-    return Engine(
+    engine = Engine(
         scorer,
         draft,
         tokenizer,
@@ -82,3 +90,14 @@ def build_engine(
         defaults=defaults,
         speculation_profile=speculation_profile,
     )
+    if speculation_profile is None and (engine.defaults.auto_k if calibrate is None else calibrate):
+        key = calibration_key(
+            *names,
+            dtype=dtype,
+            drafter_precision=drafter_precision,
+            max_batch=max_batch,
+            k_max=engine.defaults.k_max,
+            drafter_head_cut=drafter_head_cut,
+        )
+        calibrate_engine(engine, key, progress=progress)
+    return engine

@@ -41,6 +41,8 @@ class Drafts:
     tokens: list[list[int]]
     q: list[torch.Tensor | None]
     forwards: int = 0  # drafter forwards it took (batched: one forward drafts for every row)
+    # per row, the drafter forwards it was in (with MLA fewer than its drafts); None: not reported
+    row_forwards: list[int] | None = None
 
     @classmethod
     def empty(cls, n_rows: int) -> "Drafts":

@@ -96,13 +96,15 @@ class ModelDrafter:
         drafts = [[] for _ in rows]
         qs = [[] for _ in rows]
         active = [b for b, r in enumerate(rows) if r.k > 0]
-        forwards = 0
+        forwards, row_forwards = 0, [0] * len(rows)
         while active:
             unsure = self._step([rows[b] for b in active], [drafts[b] for b in active], [qs[b] for b in active])
+            for b in active:
+                row_forwards[b] += 1
             active = [b for i, b in enumerate(active) if len(drafts[b]) < rows[b].k and i not in unsure]
             forwards += 1
         q = [wire_q(torch.stack(q)) if rows[b].sampled else None for b, q in enumerate(qs)]  # [n, V] each
-        return Drafts(drafts, q, forwards)
+        return Drafts(drafts, q, forwards, row_forwards)
 
     def _step(self, rows: list[Row], drafts: list[list[int]], qs: list[list]) -> set[int]:
         """One batched drafter forward: each row feeds its last token plus a lookup proposal and

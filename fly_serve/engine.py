@@ -21,11 +21,14 @@ from collections import deque
 import torch
 
 from . import prompts
+from .allocator import RowInfo
 from .contracts import Drafter, Drafts, RoundResult, Row, Scorer
+from .detokenizer import IncrementalText, find_stop, held_back
 from .drafters import LookupDrafter, ModelDrafter, SourceDrafter
 from .params import ParamError, Params
 from .request_stats import RequestStats
-from .speculation_policy import MODEL, NONE, PLD, RECYCLE, SUFFIX, RowInfo, SpeculationPolicy
+from .round_cost import MODEL, NONE, PLD, RECYCLE, SUFFIX, CostProfile
+from .speculation_policy import SpeculationPolicy
 from .suffix_index import SuffixIndex
 from .token_recycling import TokenRecycling
 from .verify import decide, plausible_mask, window_positions
@@ -42,7 +45,7 @@ def kv_need(n_prompt: int, params: Params) -> int:
 
 
 class Request:
-    def __init__(self, request_id: str, prompt_ids: list[int], params: Params):
+    def __init__(self, request_id: str, prompt_ids: list[int], params: Params, tokenizer):
         self.id, self.params = request_id, params
         self.tokens = list(prompt_ids)
         self.n_prompt = len(prompt_ids)
@@ -51,6 +54,7 @@ class Request:
         self.error: str | None = None  # why the request failed (finish_reason "error")
         self.text = ""  # the output so far, cut at a stop string
         self.streamed = 0  # characters of text already handed out by delta()
+        self.detokenizer = IncrementalText(tokenizer)
 
     @property
     def generated(self) -> list[int]:
@@ -63,15 +67,7 @@ class Request:
     def delta(self) -> str:
         """Text not yet handed out; holds back what may still change (a partial UTF-8 character,
         the start of a stop string) until the request finishes."""
-        end = len(self.text)
-        if not self.finished:
-            if self.text.endswith("\ufffd"):
-                end -= 1
-            for s in self.params.stop:
-                for n in range(min(len(s) - 1, end), 0, -1):
-                    if self.text[end - n : end] == s[:n]:
-                        end = min(end, len(self.text) - n)
-                        break
+        end = len(self.text) - (0 if self.finished else held_back(self.text, self.params.stop))
         out = self.text[self.streamed : end]
         self.streamed = max(self.streamed, end)
         return out
@@ -87,7 +83,7 @@ class Engine:
         max_batch: int = 8,
         max_model_len: int = 4096,
         defaults: Params | None = None,
-        speculation_profile: dict | None = None,
+        speculation_profile: CostProfile | dict | None = None,
         suffix_max_tokens: int = 1_000_000,
         recycle_top_k: int = 8,
     ):
@@ -108,7 +104,8 @@ class Engine:
         self.eos_ids = set(eos_ids)
         self.max_batch, self.max_model_len = max_batch, max_model_len
         self.defaults = defaults or Params()
-        # k "auto": the round's cost model (seeded by `fly-serve tune-k`) and each row's acceptance
+        # k "auto": the round's cost model (measured where it runs: cost_calibration.py) and each
+        # row's acceptance
         self.policy = SpeculationPolicy.from_profile(speculation_profile)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -142,7 +139,7 @@ class Engine:
             )
         if params.mode_spec.drafter and self.drafters[params.mode_spec.drafter] is None:
             raise ParamError("mode", f"{params.mode!r} needs a draft model and this engine has none")
-        return Request(request_id or f"req-{next(self._ids)}", prompt, params)
+        return Request(request_id or f"req-{next(self._ids)}", prompt, params, self.tokenizer)
 
     def abort(self, request_id: str) -> None:
         for req in list(self.waiting) + self.running:
@@ -268,10 +265,11 @@ class Engine:
             [r.key for r in rows],
             [len(d) for d in drafts.tokens],
             a_list,
+            kinds=[POLICY_KINDS[req.params.mode_spec.drafter] for req in batch],
             draft_s=t1 - t0,
             verify_s=t2 - t1,
             forwards=drafts.forwards,
-            other_s=time.perf_counter() - t2,
+            row_forwards=drafts.row_forwards,
         )
         return result
 
@@ -285,10 +283,9 @@ class Engine:
             for req, row in zip(batch, rows)
         ]
         ks = self.policy.choose(infos)
-        stop_below = self.policy.min_confidence()
         for req, row, k in zip(batch, rows, ks):
             if req.params.auto_k:
-                row.k, row.min_confidence = k, stop_below
+                row.k, row.min_confidence = k, self.policy.min_confidence(row.key)
 
     def _row(self, req: Request) -> Row:
         p = req.params
@@ -320,6 +317,12 @@ class Engine:
                 got = self.drafters["lookup"].propose([rows[b] for b in idx])
             for i, b in enumerate(idx):
                 drafts.tokens[b], drafts.q[b] = got.tokens[i], got.q[i]
+            if kind == "model" and not fallback:  # the forwards k "auto" costs and learns MLA from
+                drafts.forwards = got.forwards
+                if got.row_forwards is not None:
+                    drafts.row_forwards = drafts.row_forwards or [0] * len(rows)
+                    for i, b in enumerate(idx):
+                        drafts.row_forwards[b] = got.row_forwards[i]
         return drafts, fallback
 
     def _recycle(self, rows: list[Row], drafts: Drafts, verdict) -> None:
@@ -362,10 +365,13 @@ class Engine:
                 break
         req.tokens.extend(new)
         req.stats.emitted += len(new)
-        req.text = self.tokenizer.decode(req.generated, skip_special_tokens=True)
-        cuts = [i for i in (req.text.find(s) for s in p.stop) if i >= 0]
-        if cuts:
-            req.text, req.finish_reason = req.text[: min(cuts)], "stop"
+        searched = len(req.text)  # text already searched for stop strings
+        req.text += req.detokenizer.add(new)
+        if req.finished or len(req.generated) >= p.max_tokens:
+            req.text += req.detokenizer.flush()
+        cut = find_stop(req.text, p.stop, searched)
+        if cut is not None:
+            req.text, req.finish_reason = req.text[:cut], "stop"
         if not req.finished and len(req.generated) >= p.max_tokens:
             req.finish_reason = "length"
         return len(new)

@@ -10,6 +10,13 @@ from dataclasses import dataclass, field, fields
 ENTROPIES = ("topk", "full")  # top-3 entropy in nats (authors' code, vLLM port); normalized full-vocab (paper)
 WINDOW_RULES = ("paper", "authors")  # paper: W positions after j; authors' code: W - 1 (both need j + W <= K)
 MAX_SEED = 2**63 - 1
+# A temperature below this is greedy (as vLLM's _SAMPLING_EPS): dividing logits by a subnormal
+# temperature overflows to inf and the softmax to NaN, and no sampler can draw from that.
+SAMPLING_EPS = 1e-5
+# The most drafts a round may hold per row (k, k_max) and the longest window: the dense draft
+# distribution costs k x vocab floats a row (64 x 151,936 x 4 B = 39 MB), and a round of more
+# drafts than this never paid in any measurement (docs/BENCHMARKS.md).
+MAX_K = 64
 # Model-free draft sources (drafters.py): prompt lookup over the row's own tokens, the suffix index
 # over earlier requests of this engine, Token Recycling from the target's own earlier top-k.
 MLA_SOURCES = ("pld", "suffix", "recycle")
@@ -92,7 +99,7 @@ class Params:
         "MLA proposal sources, comma-separated, tried in this order at each drafter forward (the first "
         f"that proposes wins): {', '.join(MLA_SOURCES)}",
     )
-    temperature: float = knob(0.0, "sampling temperature (0: greedy)", api="openai")
+    temperature: float = knob(0.0, f"sampling temperature in [0, 100] (below {SAMPLING_EPS}: greedy)", api="openai")
     top_p: float = knob(1.0, "nucleus sampling", api="openai")
     max_tokens: int = knob(256, "most tokens to generate", api="openai")
     stop: list[str] = knob([], "stop strings", api="openai")
@@ -156,16 +163,16 @@ class Params:
                 "max_tokens",
                 f"prompt ({prompt_len} tokens) + max_tokens exceeds the context window of {max_model_len} tokens",
             )
-        if not self.auto_k and (not is_int(self.k) or self.k < 1):
-            bad("k", 'must be an integer >= 1 or "auto"')
-        if not is_int(self.k_max) or self.k_max < 1:
-            bad("k_max", "must be an integer >= 1")
+        if not self.auto_k and (not is_int(self.k) or not 1 <= self.k <= MAX_K):
+            bad("k", f'must be an integer in [1, {MAX_K}] or "auto"')
+        if not is_int(self.k_max) or not 1 <= self.k_max <= MAX_K:
+            bad("k_max", f"must be an integer in [1, {MAX_K}]")
         if not is_num(self.theta) or not 0 <= self.theta <= 1:
             bad("theta", "must be in [0, 1]")
         if not is_num(self.rho) or not 0 <= self.rho <= 1:
             bad("rho", "must be in [0, 1]")
-        if self.window is not None and (not is_int(self.window) or self.window < 0):
-            bad("window", "must be an integer >= 0")
+        if self.window is not None and (not is_int(self.window) or not 0 <= self.window <= MAX_K):
+            bad("window", f"must be an integer in [0, {MAX_K}]")
         if self.mode_spec.loose and self.effective_window >= self.k_cap:
             bad("window", f"must be < k ({self.k_cap})")
         if self.entropy not in ENTROPIES:
@@ -174,6 +181,8 @@ class Params:
             bad("window_rule", f"must be one of {', '.join(WINDOW_RULES)}")
         if not is_num(self.temperature) or not 0 <= self.temperature <= 100:
             bad("temperature", "must be in [0, 100]")
+        if self.temperature < SAMPLING_EPS:
+            self.temperature = 0.0  # greedy (SAMPLING_EPS)
         if not is_num(self.top_p) or not 0 < self.top_p <= 1:
             bad("top_p", "must be in (0, 1]")
         if isinstance(self.stop, str):

@@ -205,9 +205,6 @@ class SuffixIndex:
             return []
         return self._vote(self._continuations(matches, k))
 
-    def propose_batch(self, token_lists: Sequence[Sequence[int]], ks: Sequence[int]) -> list[list[int]]:
-        return [self.propose(t, k) for t, k in zip(token_lists, ks)]
-
     def _chain(self, level: int, tail: np.ndarray, n: int) -> np.ndarray:
         """Positions (newest first) in the bucket of tail's last n tokens, at most
         max_candidates; some may be hash collisions, the caller verifies."""

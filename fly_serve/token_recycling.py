@@ -94,6 +94,3 @@ class TokenRecycling:
                 break
             out.append(token)
         return out
-
-    def propose_batch(self, token_lists: Sequence[Sequence[int]], ks: Sequence[int]) -> list[list[int]]:
-        return [self.propose(t, k) for t, k in zip(token_lists, ks)]

@@ -8,6 +8,7 @@ Works over NCCL on GPUs and gloo on CPUs; the backend follows the rank's device 
 
 import datetime
 import os
+import socket
 
 import torch
 import torch.distributed as dist
@@ -45,6 +46,14 @@ def shard(model, rank: int, world: int):
         for lin in (attn.o_proj, mlp.down_proj):
             _keep(lin, 1, rank, world)
     return model
+
+
+def free_port(addr: str = "127.0.0.1") -> int:
+    """A TCP port free on addr now: a TP group's rendezvous (init_group), and the one helper the
+    tools and tests use for a local server's port too (a lower layer, so all of them can import it)."""
+    with socket.socket() as s:
+        s.bind((addr, 0))
+        return s.getsockname()[1]
 
 
 def init_group(

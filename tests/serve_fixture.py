@@ -1,16 +1,11 @@
 """One local Ray + Serve per test module, tiny models, traffic to 127.0.0.1 only."""
 
 import os
-import socket
 from pathlib import Path
 
+from fly_serve.tp import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_serve(app_args: dict, name: str = "fly"):

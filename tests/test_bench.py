@@ -391,3 +391,24 @@ def test_cli_bench_report_only_and_bad_method(tmp_path, capsys):
     assert "| gsm | 0 | 1 | ar | 1 |" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="unknown method 'nope'"):
         main(["bench", "--report-only", "--methods", "nope", "--out", str(tmp_path)])
+
+
+# ---- the one timing loop
+def test_timed_batch_matches_the_engine_and_shares_the_wall_time():
+    from fly_bench.timing import timed, timed_one
+    from fly_serve.build import build_engine
+
+    engine = build_engine("tiny:0", "tiny:1", max_model_len=512)
+    prompts = [[5, 17, 42, 99], [1, 2, 3, 4, 5, 6]]
+    ar = timed(engine, prompts, {"mode": "ar", "max_tokens": 10})
+    spd = timed(engine, prompts, [{"mode": "spd", "k": 3, "max_tokens": 10}, {"mode": "spd", "k": 2, "max_tokens": 6}])
+    want = engine.generate(prompts, {"mode": "ar", "max_tokens": 10})
+    assert [t.ids for t in ar] == [r.generated for r in want] and all(t.tokens == 10 for t in ar)
+    assert ar[0].wall_s == ar[1].wall_s > 0  # one batch: its wall time shared evenly
+    assert ar[0].rounds == 10 and ar[0].drafted == 0 and ar[0].tau == 1.0
+    # fp32 tiny models: strict spd emits ar's tokens, in fewer rounds where drafts were kept
+    assert spd[0].ids == ar[0].ids and spd[1].ids == ar[1].ids[:6] and spd[1].params["k"] == 2
+    assert spd[0].same_prefix(ar[0]) == 10 and spd[1].same_prefix(ar[1]) == 6
+    assert spd[0].speedup_over(ar[0]) == pytest.approx(spd[0].tok_s / ar[0].tok_s)
+    row = timed_one(engine, prompts[0], mode="fly", k=3, max_tokens=8).row(drafter="tiny:1")
+    assert row["mode"] == "fly" and row["tokens"] == 8 and row["drafter"] == "tiny:1" and "ids" not in row

@@ -12,7 +12,7 @@ from fly_serve.params import ParamError, Params
 from fly_serve.runner import Runner
 from fly_serve.tiny import tiny_model, tiny_tokenizer
 
-DEVICE = os.environ.get("FLY_TEST_DEVICE", "cpu")  # "cuda" runs these on a GPU host (the device check itself: scripts/gpu_check.py)
+DEVICE = os.environ.get("FLY_TEST_DEVICE", "cpu")  # "cuda" on a GPU host (the device check: scripts/gpu_check.py)
 TARGET, DRAFTER = tiny_model(seed=0).to(DEVICE), tiny_model(seed=1, num_hidden_layers=1).to(DEVICE)
 PROMPTS = [torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (3, 8, 13, 21)]
 

@@ -1,7 +1,7 @@
 """Scaling out (tiny models, real Ray and Serve, 127.0.0.1): the drafter pool grows under load
 and every live drafter replica drafts its share of each round; two ingress + target units share
 the pool, each ingress pinned to its own target; outputs equal the in-process engine's. Also the
-load sweep's own mechanics (loadtest/load_sweep.py, in a subprocess: Locust patches the process
+load sweep's own mechanics (fly_load/load_sweep.py, in a subprocess: Locust patches the process
 for gevent)."""
 
 import json
@@ -106,8 +106,9 @@ def test_two_units_each_with_its_own_target(url, reference):
 
 def test_load_sweep_mechanics(url, tmp_path):
     out = subprocess.run(
-        [sys.executable, str(ROOT / "loadtest" / "load_sweep.py"), "--host", url, "--users", "1", "2"]
+        [sys.executable, "-m", "fly_load.load_sweep", "--host", url, "--users", "1", "2"]
         + ["--methods", "ar", "fly:k=auto", "--duration", "3", "--max-tokens", "8", "--out", str(tmp_path)],
+        cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=600,

@@ -1,4 +1,5 @@
-"""k: auto -- acceptance per row, round cost, and the allocation against brute force (no speed asserted)."""
+"""k: auto -- acceptance per row, the round cost profile, the allocation against brute force, the
+policy's probes and cost check on fake cost functions (no speed asserted)."""
 
 import itertools
 
@@ -6,19 +7,11 @@ import numpy as np
 import pytest
 import yaml
 
-from fly_serve.speculation_policy import (
-    MODEL,
-    NONE,
-    PLD,
-    AcceptanceTracker,
-    RoundCostModel,
-    RowInfo,
-    SpeculationPolicy,
-    allocate,
-    expected_emitted,
-    min_confidence_for,
-    plan,
-)
+from fly_serve.acceptance import AcceptanceTracker, expected_emitted
+from fly_serve.allocator import RowInfo, allocate, min_confidence_for, plan
+from fly_serve.cost_check import CostCheck
+from fly_serve.round_cost import MODEL, NONE, PLD, CostProfile, RoundCostModel
+from fly_serve.speculation_policy import SpeculationPolicy
 
 
 def cost_model(verify_at_1=0.02, per_token=0.0, per_forward=0.0, per_row_forward=0.0, per_round=0.0):
@@ -29,6 +22,10 @@ def cost_model(verify_at_1=0.02, per_token=0.0, per_forward=0.0, per_row_forward
             "draft": {"per_round": per_round, "per_forward": per_forward, "per_row_forward": per_row_forward},
         }
     )
+
+
+def flat_profile(verify_s=0.1, per_token=0.0, per_forward=0.0, per_row_forward=0.0, per_round=0.0) -> CostProfile:
+    return CostProfile([1, 101], [verify_s, verify_s + 100 * per_token], per_round, per_forward, per_row_forward)
 
 
 def rate(ks, rows, cost) -> float:
@@ -91,22 +88,22 @@ def test_tracker_counts_a_truncated_round_as_one_rejection():
     assert tracker.estimate("x") == pytest.approx(6 / 7)
 
 
-def test_tracker_prior_pool_forget_and_drift_back():
+def test_tracker_prior_forget_and_drift_back():
+    """A row's estimate reads only its own rounds and the constant prior: other rows' rounds never
+    move it (so a request alone is planned the same whatever ran before it)."""
     tracker = AcceptanceTracker(prior=0.5)
     assert tracker.estimate("new") == pytest.approx(0.5)
     rng = np.random.default_rng(2)
     for _ in range(50):
         rounds = [simulate_round(rng, 0.9, 10), simulate_round(rng, 0.9, 10), simulate_round(rng, 0.1, 10)]
         tracker.observe_round(["a", "b", "bad"], [n for n, _ in rounds], [m for _, m in rounds])
-    pool = tracker.pool_mean()
-    assert 0.7 < pool < 0.95  # mostly the two good rows' drafts
-    assert tracker.estimate("never seen") == pytest.approx(pool)
-    assert tracker.estimate("bad") < 0.3
-    # The bad row is left at k = 0: its evidence ages and it drifts back to the pool mean.
+    assert tracker.estimate("never seen") == pytest.approx(0.5)
+    assert tracker.estimate("a") > 0.8 and tracker.estimate("bad") < 0.3
+    assert tracker.rounds("a") == 50 and tracker.rounds("never seen") == 0
+    # The bad row is left at k = 0: its evidence ages and it drifts back to the prior.
     for _ in range(60):
-        rounds = [simulate_round(rng, 0.9, 10), simulate_round(rng, 0.9, 10), (0, 0)]
-        tracker.observe_round(["a", "b", "bad"], [n for n, _ in rounds], [m for _, m in rounds])
-    assert tracker.estimate("bad") > 0.7
+        tracker.observe_round(["a", "bad"], [10, 0], [9, 0])
+    assert tracker.estimate("bad") == pytest.approx(0.5, abs=0.05)
     tracker.forget("a")
     tracker.forget("missing")
     assert set(tracker.rows) == {"b", "bad"}
@@ -120,61 +117,45 @@ def test_tracker_tokens_per_forward():
     assert tracker.tokens_per_forward("x") == pytest.approx(3.0, rel=0.05)
 
 
-# ---- RoundCostModel
-def test_cost_model_recovers_linear_coefficients():
-    rng = np.random.default_rng(3)
-    cost = RoundCostModel()  # the default profile: wrong scale, wrong shape
-    verify = lambda n: 0.02 + 0.0004 * n
-    draft = lambda f, rf: 0.001 + 0.01 * f + 0.002 * rf
-    for _ in range(300):
-        rows, forwards = int(rng.integers(1, 9)), int(rng.integers(1, 17))
-        row_forwards = rows * forwards - int(rng.integers(0, rows))
-        n = int(rng.integers(8, 513))
-        noise = rng.normal(1, 0.02, size=2)
-        cost.observe_round(
-            rows, forwards, n, draft(forwards, row_forwards) * noise[0], verify(n) * noise[1], row_forwards=row_forwards
-        )
-    for n in (16, 64, 256, 512):
-        assert cost.verify_s(n) == pytest.approx(verify(n), rel=0.03)
-    e, c, d = cost.draft_coefficients
-    assert c == pytest.approx(0.01, rel=0.1) and d == pytest.approx(0.002, rel=0.1)
-    for f, rf in ((1, 1), (4, 20), (16, 100)):
-        assert cost.draft_s(f, rf) == pytest.approx(draft(f, rf), rel=0.03)
-    assert cost.draft_s(0, 0) == 0.0
-
-
-def test_cost_model_rescales_a_profile_from_one_operating_point():
-    profile = {
-        "verify": {"tokens": [1, 64, 512], "seconds": [0.01, 0.012, 0.1]},
-        "draft": {"per_round": 0.0, "per_forward": 0.004, "per_row_forward": 0.0005},
-    }
-    cost = RoundCostModel(profile)
-    for _ in range(20):  # this machine is three times slower, seen at one batch shape only
-        cost.observe_round(8, 10, 128, 3 * (0.004 * 10 + 0.0005 * 80), 3 * float(RoundCostModel(profile).verify_s(128)))
-    for n in (1, 64, 512):
-        assert cost.verify_s(n) == pytest.approx(3 * RoundCostModel(profile).verify_s(n), rel=0.1)
-    assert cost.draft_s(1, 1) == pytest.approx(3 * 0.0045, rel=0.1)
-
-
-def test_profile_round_trip():
-    rng = np.random.default_rng(4)
-    cost = RoundCostModel(
+# ---- CostProfile and RoundCostModel
+def test_profile_dict_round_trip_and_the_measured_draft_form():
+    profile = CostProfile([1, 32, 256], [0.01, 0.011, 0.05], 0.001, 0.004, 0.0005, 0.002, "test")
+    again = CostProfile.from_dict(yaml.safe_load(yaml.safe_dump(profile.to_dict())))
+    assert again == profile and again.to_dict() == profile.to_dict()
+    n = np.array([0.5, 1, 7, 32, 100, 256, 300, 5000])
+    assert np.allclose(RoundCostModel(again).verify_s(n), RoundCostModel(profile).verify_s(n), rtol=1e-12)
+    # tune-k's older form: seconds per drafter forward by rows in it, fitted as c + d * rows
+    measured = CostProfile.from_dict(
         {
-            "verify": {"tokens": [1, 32, 256], "seconds": [0.01, 0.011, 0.05]},
+            "verify": {"tokens": [1, 2], "seconds": [0.1, 0.2]},
             "draft": {"rows": [1, 2, 4, 8], "seconds": [0.0045, 0.005, 0.006, 0.008]},
         }
     )
-    assert cost.draft_coefficients == pytest.approx([0.0, 0.004, 0.0005])
-    for _ in range(40):
-        n = int(rng.integers(8, 300))
-        cost.observe_round(4, 5, n, 0.03 * rng.uniform(0.9, 1.1), 0.01 + 0.0002 * n, other_s=0.001)
-    profile = yaml.safe_load(yaml.safe_dump(cost.to_profile()))
-    again = RoundCostModel.from_profile(profile)
-    n = np.array([0.5, 1, 7, 32, 100, 256, 300, 5000])
-    assert np.allclose(again.verify_s(n), cost.verify_s(n), rtol=1e-12)
-    assert np.allclose(again.draft_coefficients, cost.draft_coefficients)
-    assert again.overhead_s == pytest.approx(cost.overhead_s) and cost.overhead_s > 0
-    assert again.to_profile() == profile
+    assert RoundCostModel(measured).draft_coefficients == pytest.approx([0.0, 0.004, 0.0005])
+    assert CostProfile.coerce(None).source == "default shape"
+    with pytest.raises(ValueError, match="two or more"):
+        CostProfile([1, 1], [0.1, 0.2])
+
+
+def test_the_cost_model_is_frozen():
+    """No method learns from round times: the same rows get the same plan after any rounds."""
+    policy = SpeculationPolicy.from_profile(flat_profile(0.1, per_forward=0.01))
+    rows = [RowInfo("a", 8, acceptance=0.8), RowInfo("b", 8, acceptance=0.5)]
+    before = policy.choose(rows), policy.cost.verify_s(np.arange(1, 40))
+    rng = np.random.default_rng(0)
+    for _ in range(30):  # noisy rounds at one operating point, within the check's tolerance
+        policy.record(
+            ["a", "b"],
+            [8, 8],
+            [4, 2],
+            kinds=[MODEL, MODEL],
+            draft_s=0.08 * rng.uniform(0.9, 1.1),
+            verify_s=0.1 * rng.uniform(0.9, 1.1),
+            forwards=8,
+        )
+    assert policy.choose(rows) == before[0]
+    assert np.array_equal(policy.cost.verify_s(np.arange(1, 40)), before[1])
+    assert not hasattr(RoundCostModel, "observe_round") and not hasattr(RoundCostModel, "verify_slope")
 
 
 def test_verify_curve_never_falls():
@@ -362,39 +343,225 @@ def test_min_confidence_rule():
     assert policy.min_confidence() == 0.0
     policy.choose([RowInfo("a", 15, acceptance=0.8), RowInfo("b", 15, acceptance=0.6)])
     p = policy.last
-    assert policy.min_confidence() == pytest.approx(p.tokens / p.seconds * p.marginal_s)
+    assert policy.min_confidence("a") == pytest.approx(p.tokens / p.seconds * p.marginal_s)
     assert 0 < policy.min_confidence() < 1
 
 
-# ---- SpeculationPolicy
-def test_policy_learns_rows_and_costs_from_rounds():
-    rng = np.random.default_rng(6)
-    truth = {"good": 0.9, "poor": 0.2, "lookup": 0.6, "fixed": 0.5}
-    kinds = {"good": MODEL, "poor": MODEL, "lookup": PLD, "fixed": MODEL}
-    verify = lambda n: 0.02 + 0.0004 * n
-    draft = lambda f, rf: 0.003 * f + 0.0004 * rf
-    policy = SpeculationPolicy.from_profile(None)
-    for _ in range(150):
-        rows = [RowInfo(key, 10, drafter=kinds[key], fixed=key == "fixed") for key in truth]
-        ks = policy.choose(rows)
-        assert ks[3] == 10 and all(0 <= k <= 10 for k in ks)
-        rounds = [simulate_round(rng, truth[key], k) for key, k in zip(truth, ks)]
-        drafted = [n for n, _ in rounds]
-        forwards = max(n for (n, _), key in zip(rounds, truth) if kinds[key] == MODEL)
-        row_forwards = sum(n for (n, _), key in zip(rounds, truth) if kinds[key] == MODEL)
+# ---- SpeculationPolicy: learning, probes, the cost check, determinism
+def run_policy(policy, truth, verify, draft, rounds, *, k_max=8, noise=0.0, noise_seed=0, seed=7):
+    """Rounds of rows with per-token acceptance truth[key] on a fake cost (verify(tokens),
+    draft(forwards, row_forwards), seconds), times scaled by noise in [1 - noise, 1 + noise];
+    returns each round's ks. The acceptance draws come from their own generator, so only the
+    plans can make two runs differ."""
+    luck, clock = np.random.default_rng(seed), np.random.default_rng(noise_seed)
+    keys, history = list(truth), []
+    for _ in range(rounds):
+        ks = policy.choose([RowInfo(key, k_max) for key in keys])
+        kept = [simulate_round(luck, truth[key], k)[1] for key, k in zip(keys, ks)]
+        forwards, jitter = max(ks), clock.uniform(1 - noise, 1 + noise, size=2)
         policy.record(
-            list(truth),
-            drafted,
-            [m for _, m in rounds],
+            keys,
+            ks,
+            kept,
+            kinds=[MODEL] * len(keys),
+            draft_s=draft(forwards, sum(ks)) * jitter[0],
+            verify_s=verify(sum(k + 1 for k in ks)) * jitter[1],
             forwards=forwards,
-            draft_s=draft(forwards, row_forwards),
-            verify_s=verify(sum(n + 1 for n in drafted)),
+            row_forwards=ks,
         )
+        history.append(ks)
+    return history
+
+
+# A seed that overprices drafting: every token of a verification costs a whole forward, and a
+# drafter forward half of one (another machine's curve, or an fp32 curve on a bf16 machine).
+WRONG_SEED = CostProfile([1, 2, 16], [0.1, 0.2, 1.6], 0.0, 0.05, 0.0)
+
+
+def test_policy_learns_each_rows_acceptance():
+    rng = np.random.default_rng(6)
+    truth = {"good": 0.9, "poor": 0.2, "fixed": 0.5}
+    policy = SpeculationPolicy.from_profile(flat_profile(0.02, 0.0004, 0.003, 0.0004))
+    for _ in range(150):
+        rows = [RowInfo(key, 10, fixed=key == "fixed") for key in truth]
+        ks = policy.choose(rows)
+        assert ks[2] == 10 and all(0 <= k <= 10 for k in ks)
+        kept = [simulate_round(rng, truth[key], k)[1] for key, k in zip(truth, ks)]
+        policy.record(list(truth), ks, kept, kinds=[MODEL] * 3, draft_s=0.05, verify_s=0.03, forwards=max(ks))
     assert policy.tracker.estimate("good") == pytest.approx(0.9, abs=0.08)
     assert policy.tracker.estimate("fixed") == pytest.approx(0.5, abs=0.15)
-    assert policy.cost.verify_s(40) == pytest.approx(verify(40), rel=0.1)
-    ks = policy.choose([RowInfo(key, 10, drafter=kinds[key], fixed=key == "fixed") for key in truth])
+    ks = policy.choose([RowInfo(key, 10, fixed=key == "fixed") for key in truth])
     assert ks[0] > ks[1]  # the good row drafts more than the poor one
-    policy.release(["good", "poor", "lookup", "fixed"])
-    assert policy.tracker.rows == {}
+    policy.release(list(truth))
+    assert policy.tracker.rows == {} and policy._idle == {}
     assert policy.choose([]) == []
+
+
+def test_record_takes_each_rows_kind_from_the_caller():
+    """Rounds without a choose() (no row has k "auto"): a prompt-lookup row is not a drafter row.
+    Before, record() took kinds from the last choose() and defaulted to the model drafter."""
+    policy = SpeculationPolicy.from_profile(flat_profile(0.1, per_forward=0.01, per_row_forward=0.002))
+    for _ in range(3):
+        policy.record(
+            ["lookup", "model"],
+            [6, 4],
+            [6, 4],
+            kinds=[PLD, MODEL],
+            draft_s=0.024,
+            verify_s=0.1,
+            forwards=2,
+            row_forwards=[5, 2],
+        )
+    # The drafter forwards each row was in reach the tracker (MLA: 4 drafts in 2 forwards) for
+    # model rows only; a lookup row has no drafter forwards whatever the caller passed.
+    assert policy.tracker.tokens_per_forward("model") > 1.4
+    assert policy.tracker.tokens_per_forward("lookup") == 1.0
+    # The cost check predicted the drafting call from the model row alone: 2 forwards, 2 rows in them.
+    assert [p for _, p in policy.check.draft] == pytest.approx([0.01 * 2 + 0.002 * 2] * 3)
+
+
+def test_a_wrong_seed_corrects_itself_where_drafting_pays():
+    verify = lambda n: 0.1 + 0.002 * n  # this machine: a verification costs about one forward
+    draft = lambda f, rf: 0.01 * f + 0.001 * rf
+    policy = SpeculationPolicy.from_profile(WRONG_SEED)
+    assert policy.choose([RowInfo("r", 8)]) == [0]  # the seed alone never drafts
+    policy.release(["r"])
+    history = run_policy(policy, {"r": 0.8}, verify, draft, 60)
+    first = next(i for i, ks in enumerate(history) if ks[0] > 0 and ks[0] != policy.probe_k)
+    assert first <= 30  # a few probes: the cost check replaced the seed
+    assert policy.check.corrections >= 1 and policy.profile.source == "corrected from measured rounds"
+    assert np.mean([ks[0] for ks in history[-20:]]) >= 4  # and it keeps drafting
+
+
+def test_probes_only_where_drafting_does_not_pay():
+    """The same seed on a machine uniformly twice as slow, with a poor drafter: plain decoding,
+    one probe round every probe_every + 1 rounds, by the row's own round count."""
+    verify = lambda n: 2 * float(RoundCostModel(WRONG_SEED).verify_s(n))
+    draft = lambda f, rf: 2 * 0.05 * f
+    policy = SpeculationPolicy.from_profile(WRONG_SEED)
+    history = run_policy(policy, {"r": 0.3}, verify, draft, 70)
+    period = policy.probe_every + 1
+    assert [ks[0] for ks in history] == [policy.probe_k if (i + 1) % period == 0 else 0 for i in range(70)]
+    assert policy.check.corrections == 0  # a uniformly slower machine is not a wrong shape
+
+
+def test_a_batch_probes_one_row_a_round_in_turn():
+    verify = lambda n: 2 * float(RoundCostModel(WRONG_SEED).verify_s(n))
+    draft = lambda f, rf: 2 * 0.05 * f
+    policy = SpeculationPolicy.from_profile(WRONG_SEED)
+    truth = {f"r{b}": 0.3 for b in range(8)}
+    history = np.array(run_policy(policy, truth, verify, draft, 70))  # [rounds, rows]
+    probes = history > 0
+    assert probes.sum(1).max() == 1  # never more than one probe in a round
+    assert probes[7:].sum(1).min() == 1  # once rows are due, one probes every round
+    assert probes.sum(0).min() >= 6  # every row in turn
+    assert set(history.ravel()) == {0, policy.probe_k} and policy.check.corrections == 0
+
+
+def test_plans_do_not_follow_wall_clock_noise():
+    """Two rows on a calibrated profile, times with 10% noise: the same ks whatever the noise."""
+    verify = lambda n: 0.1 + 0.002 * n
+    draft = lambda f, rf: 0.01 * f + 0.001 * rf
+    calibrated = CostProfile([1, 101], [verify(1), verify(101)], 0.0, 0.01, 0.001)
+    runs = [
+        run_policy(
+            SpeculationPolicy.from_profile(calibrated),
+            {"good": 0.85, "poor": 0.1},
+            verify,
+            draft,
+            80,
+            noise=noise,
+            noise_seed=seed,
+        )
+        for noise, seed in ((0.0, 0), (0.1, 1), (0.1, 2), (0.1, 3))
+    ]
+    assert all(run == runs[0] for run in runs)
+    good, poor = np.array(runs[0]).T
+    assert good.mean() > 2 * poor.mean() > 0  # each row's k follows its own acceptance
+
+
+def test_cost_check_ignores_scale_and_fixes_shape():
+    cost = RoundCostModel(flat_profile(0.1, 0.01, per_forward=0.02))
+    check = CostCheck()
+    for n in (1, 9) * 5:  # three times slower everywhere: the same plan
+        assert check.observe(cost, n, 3 * cost.verify_s(n), 2, 2, 3 * cost.draft_s(2, 2)) is None
+    check, fixed = CostCheck(), None
+    for n in (1, 9) * 5:  # verifying 9 tokens costs what 1 does: the slope was wrong
+        fixed = fixed or check.observe(cost, n, 0.11, 0, 0, 0.0)
+    assert fixed is not None
+    corrected = RoundCostModel(fixed)
+    assert corrected.verify_s(9) == pytest.approx(0.11) and corrected.verify_s(1) == pytest.approx(0.11)
+
+
+# ---- in the engine (tiny random models)
+class FakeTime:
+    """A clock for the engine module: every perf_counter() call advances by `tick` times a random
+    factor in [1 - noise, 1 + noise] (wall-clock noise injected where the engine reads time)."""
+
+    def __init__(self, tick: float, noise: float, seed: int):
+        self.t, self.tick, self.noise = 0.0, tick, noise
+        self.rng = np.random.default_rng(seed)
+
+    def perf_counter(self) -> float:
+        self.t += self.tick * self.rng.uniform(1 - self.noise, 1 + self.noise)
+        return self.t
+
+
+@pytest.fixture(scope="module")
+def tiny_pair():
+    from fly_serve.loading import load_model
+
+    return load_model("tiny:0", "fp32"), load_model("tiny:1", "int8")
+
+
+def tiny_auto_engine(tiny_pair, profile):
+    from fly_serve.build import build_engine
+    from fly_serve.tiny import tiny_tokenizer
+
+    target, drafter = tiny_pair
+    return build_engine(
+        target, drafter, tokenizer=tiny_tokenizer(), speculation_profile=profile, progress=lambda m: None
+    )
+
+
+def run_alone(engine, prompt: str) -> tuple[list[int], list[int]]:
+    """One greedy k "auto" request alone: its tokens and the drafts of each of its rounds."""
+    req = engine.add(prompt, dict(mode="spd", k="auto", k_max=8, max_tokens=48, temperature=0.0))
+    drafts = []
+    while not req.finished:
+        before = req.stats.drafted
+        engine.step()
+        drafts.append(req.stats.drafted - before)
+    return req.generated, drafts
+
+
+def test_the_same_request_alone_gets_the_same_plan_and_text(tiny_pair, monkeypatch):
+    """The same prompt alone, several times on one engine and on a fresh one, under different
+    wall-clock noise: identical tokens and identical drafts round by round."""
+    import fly_serve.engine as engine_module
+
+    # The profile the fake clock realizes: a round's draft and verify calls take one tick each.
+    tick = 0.05
+    profile = CostProfile([1, 65], [tick, 1.6 * tick], 0.85 * tick, 0.02 * tick, 0.0)
+    prompt = "def fib(n):\n    if n < 2:\n        return n\n"
+    runs = []
+    engine = tiny_auto_engine(tiny_pair, profile)
+    for seed in range(3):
+        monkeypatch.setattr(engine_module, "time", FakeTime(tick, 0.05, seed))
+        runs.append(run_alone(engine, prompt))
+    monkeypatch.setattr(engine_module, "time", FakeTime(tick, 0.0, 9))
+    fresh = tiny_auto_engine(tiny_pair, profile)
+    runs.append(run_alone(fresh, prompt))
+    assert all(r == runs[0] for r in runs)
+    assert engine.policy.check.corrections == 0 and engine.policy.tracker.rows == {}
+    assert sum(runs[0][1]) > 0  # it drafted (plans or probes)
+
+
+def test_the_engine_reports_each_rows_drafter_forwards(tiny_pair):
+    """row_forwards reach the policy from the model drafter (tokens per forward for MLA), also
+    when no row has k "auto" (record runs every round)."""
+    engine = tiny_auto_engine(tiny_pair, flat_profile(0.1))
+    req = engine.add("abcabcabcabc", dict(mode="spd", k=4, max_tokens=30, temperature=0.0))
+    engine.step()
+    ev = engine.policy.tracker.rows[req.id]
+    assert ev.forwards >= 1 and ev.drafted == 4

@@ -1,13 +1,11 @@
 """TP = 2 over gloo on the CPU gives the logits of TP = 1 (fp32 tolerance)."""
 
-import socket
-
 import torch
 import torch.multiprocessing as mp
 
 from fly_serve.runner import Runner
 from fly_serve.tiny import tiny_model
-from fly_serve.tp import init_group, shard
+from fly_serve.tp import free_port, init_group, shard
 
 TOKENS = [[5, 17, 42, 99, 7, 3, 250, 11], [1, 2, 3]]
 
@@ -26,12 +24,6 @@ def _worker(rank, world, port, out):
         out.put((first, rest))
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_tp2_equals_tp1():

@@ -3,14 +3,15 @@
 import argparse
 
 import pytest
-import torch
 import yaml
 from tqdm import tqdm
 
 from fly_cli import tune_k
 from fly_cli.main import main
 from fly_serve.build import build_engine
-from fly_serve.speculation_policy import RoundCostModel
+from fly_serve.cost_calibration import verify_points
+from fly_serve.params import Params
+from fly_serve.round_cost import CostProfile, RoundCostModel
 
 QUICK = ["tune-k", "--target", "tiny:0", "--drafter", "tiny:1", "--quick"]
 
@@ -26,10 +27,16 @@ def table_rows(text: str) -> list[list[str]]:
 
 
 def check_profile(profile: dict) -> RoundCostModel:
-    cost = RoundCostModel(profile)
-    assert RoundCostModel(cost.to_profile()).verify_s(3.0) == pytest.approx(cost.verify_s(3.0))
-    assert all(s >= 0 for s in profile["verify"]["seconds"] + profile["draft"]["seconds"])
+    cost = RoundCostModel(CostProfile.from_dict(profile))
+    assert RoundCostModel(cost.profile.to_dict()).verify_s(3.0) == pytest.approx(cost.verify_s(3.0))
+    assert all(s >= 0 for s in profile["verify"]["seconds"] + list(profile["draft"].values()))
     return cost
+
+
+@pytest.fixture(autouse=True)
+def cache(tmp_path, monkeypatch):
+    """tune-k writes a cost-profile cache entry: here, not in the user's cache."""
+    monkeypatch.setenv("FLY_SERVE_CACHE", str(tmp_path / "cache"))
 
 
 def test_quick_run_writes_a_profile_the_cost_model_loads(tmp_path, capsys):
@@ -43,10 +50,10 @@ def test_quick_run_writes_a_profile_the_cost_model_loads(tmp_path, capsys):
     assert set(snippet) == {"speculation_profile"}
     profile = snippet["speculation_profile"]
     check_profile(profile)
-    # verify knots: every distinct token count of the grid, B * (k + 1)
-    expected = sorted({b * (k + 1) for b in tune_k.QUICK_BATCH_SIZES for k in tune_k.k_grid(tune_k.QUICK_K_MAX)})
-    assert profile["verify"]["tokens"] == expected
-    assert profile["draft"]["rows"] == list(tune_k.QUICK_BATCH_SIZES)
+    # verify knots: the calibration's points for k_max and the largest batch, B * (k + 1)
+    points = verify_points(tune_k.QUICK_K_MAX, max(tune_k.QUICK_BATCH_SIZES))
+    assert profile["verify"]["tokens"] == [b * (k + 1) for b, k in points]
+    assert profile["source"] == "fly-serve tune-k"
 
 
 def test_run_returns_the_table_and_prints_the_yaml_after_it(capsys):
@@ -55,7 +62,17 @@ def test_run_returns_the_table_and_prints_the_yaml_after_it(capsys):
     result = tune_k.run(parser.parse_args(QUICK[1:]))
     printed = capsys.readouterr().out
     assert printed.index("| batch |") < printed.index("speculation_profile:")
-    assert yaml.safe_load(printed[printed.index("# fly-serve tune-k") :]) == {"speculation_profile": result.profile}
+    snippet = yaml.safe_load(printed[printed.index("# fly-serve tune-k") :])
+    assert snippet == {"speculation_profile": result.profile.to_dict()}
+    # the same profile is the cache entry an engine with these knobs reads (build_engine's key)
+    engine = build_engine(
+        "tiny:0",
+        "tiny:1",
+        max_batch=max(tune_k.QUICK_BATCH_SIZES),
+        defaults=Params(k="auto", k_max=tune_k.QUICK_K_MAX),
+        progress=lambda _: None,
+    )
+    assert result.cache_path and engine.policy.profile.to_dict() == result.profile.to_dict()
     assert [r.batch for r in result.rows] == [1, 2]
     for r in result.rows:
         assert len(r.rates) == len(r.spd_rates) == tune_k.QUICK_K_MAX + 1
@@ -100,47 +117,9 @@ def test_table_math_by_hand():
     assert row.spd_best_k == 0 and row.spd_expected_speedup == 1.0  # nothing kept: drafting never pays
 
 
-def test_build_profile_merges_points_with_the_same_token_count():
-    verify = [
-        tune_k.VerifyPoint(1, 1, [0.2, 0.4, 0.3]),  # 2 tokens
-        tune_k.VerifyPoint(2, 0, [0.1]),  # 2 tokens
-        tune_k.VerifyPoint(1, 0, [0.1, 0.1]),  # 1 token
-    ]
-    draft = [tune_k.DraftPoint(1, 0.05, 0.01), tune_k.DraftPoint(2, 0.06, 0.03), tune_k.DraftPoint(4, 0.08, 0.02)]
-    profile = tune_k.build_profile(verify, draft, 0.004)
-    assert profile["verify"] == {"tokens": [1, 2], "seconds": [0.1, 0.25]}
-    assert profile["draft"] == {"rows": [1, 2, 4], "seconds": [0.05, 0.06, 0.08], "per_round": 0.02}
-    cost = check_profile(yaml.safe_load(tune_k.profile_yaml(profile, "a\nheader"))["speculation_profile"])
-    assert cost.overhead_s == pytest.approx(0.004)
-
-
 @pytest.fixture(scope="module")
 def tiny_engine():
     return build_engine("tiny:0", "tiny:1", max_batch=2, progress=lambda _: None)
-
-
-def test_timed_verifies_feed_only_the_last_token_and_the_drafts(tiny_engine):
-    prompts = tune_k.calibration_prompts(tiny_engine.tokenizer, 2)
-    contexts = tune_k.timing_contexts(prompts, 2, 50)
-    assert [len(c) for c in contexts] == [50, 50] and contexts[0] != contexts[1]
-    runner = tiny_engine.scorer.runner
-    fed = []
-    feed = runner.feed
-
-    def recording_feed(*args, **kw):
-        out = feed(*args, **kw)
-        fed.append(out[1])
-        return out
-
-    runner.feed = recording_feed
-    try:
-        seconds = tune_k.time_verify(tiny_engine.scorer, tune_k.timing_rows(contexts, 2, 3), 3, 2, torch.Generator())
-    finally:
-        del runner.feed
-    assert len(seconds) == 2
-    assert fed[-2:] == [[4, 4], [4, 4]]  # the timed calls: last token + 3 drafts per row
-    point = tune_k.draft_point(tiny_engine.drafters["model"], contexts, 2, 1)
-    assert point.rows == 2 and point.per_forward_s > 0 and point.per_round_s >= 0
 
 
 def test_measured_speedup_runs_both_modes(tiny_engine):
@@ -150,3 +129,14 @@ def test_measured_speedup_runs_both_modes(tiny_engine):
     # a batch that ends in its first round: that round's rate (there is no other)
     assert tune_k.decode_tokens_per_s(tiny_engine, prompts, dict(mode="ar", max_tokens=1)) > 0
     assert not tiny_engine.has_work()
+
+
+def test_tune_k_and_the_cli_do_not_import_each_other():
+    """tune_k takes the pair flags from fly_cli/pair.py, not from main.py (which imports tune_k)."""
+    import subprocess
+    import sys
+
+    code = "import argparse, sys; from fly_cli import tune_k; tune_k.add_args(argparse.ArgumentParser()); "
+    code += "print('fly_cli.main' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "False"

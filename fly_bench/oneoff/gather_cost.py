@@ -1,7 +1,7 @@
 """What GatherIO.read (a batch's whole KV copied out of the paged pool, per layer, per forward)
 costs next to the rest of a decode step, on a tiny-depth model at a real layer shape.
 
-    python benchmarks/gather_cost.py [--layers 2] [--context 2000] [--batch 8]
+    python -m fly_bench.oneoff.gather_cost [--layers 2] [--context 2000] [--batch 8]
 
 One decode step (T = 1) of `batch` rows of `context` cached tokens each, rows' blocks interleaved
 (so the forward must gather), Qwen2.5-1.5B's layer shape (hidden 1536, 12 heads, 2 KV heads of

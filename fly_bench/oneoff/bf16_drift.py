@@ -1,6 +1,6 @@
 """How often greedy `spd` drifts from greedy `ar` in bf16 (and in fp32, as the control).
 
-    python benchmarks/bf16_drift.py --prompts 8 --max-tokens 64
+    python -m fly_bench.oneoff.bf16_drift --prompts 8 --max-tokens 64
 
 A multi-token forward (verification) and a one-token forward (ar) give slightly different bf16
 logits; where the target's top two tokens are near-tied the argmax can flip and the outputs part.
@@ -9,23 +9,12 @@ logits; where the target's top two tokens are near-tied the argmax can flip and 
 import argparse
 import json
 
+from fly_bench.prompts import QUESTIONS
+from fly_bench.timing import timed_one
 from fly_serve.build import build_engine
 from fly_serve.loading import load_tokenizer
 from fly_serve.prompts import chat_prompt
 from fly_serve.weights import DEFAULT_DRAFTER, DEFAULT_TARGET
-
-QUESTIONS = [
-    "Reverse a string in Python.",
-    "Explain what a hash map is in two sentences.",
-    "Write a bash loop that prints 1 to 10.",
-    "Write a Python class for a stack with push and pop.",
-    "What is the difference between a list and a tuple in Python?",
-    "Write a C function that sums an array.",
-    "Write a regex that matches an email address.",
-    "Write a JavaScript debounce function.",
-    "Explain recursion to a beginner.",
-    "Write a Python function that flattens a nested list.",
-]
 
 
 def main():
@@ -40,8 +29,8 @@ def main():
         engine = build_engine(DEFAULT_TARGET, DEFAULT_DRAFTER, dtype=dtype, drafter_precision="int8", max_batch=1)
         diverged, first = 0, []
         for p in prompts:  # one at a time: batching noise is not what this measures
-            ar = engine.generate([p], dict(mode="ar", max_tokens=args.max_tokens))[0].generated
-            spd = engine.generate([p], dict(mode="spd", k=10, max_tokens=args.max_tokens))[0].generated
+            ar = timed_one(engine, p, mode="ar", max_tokens=args.max_tokens).ids
+            spd = timed_one(engine, p, mode="spd", k=10, max_tokens=args.max_tokens).ids
             if ar != spd:
                 diverged += 1
                 first.append(next(i for i, (a, b) in enumerate(zip(ar + [-1], spd + [-2])) if a != b))

@@ -3,6 +3,7 @@
 Each user sends one completion at a time, so the number of users is the number of concurrent
 requests, i.e. the engine's batch size. Bounded: --run-time caps the time and
 FLY_MAX_REQUESTS caps each user's requests. Headless runs for 1, 4 and 8 users: run.sh.
+Prompts: fly_bench.prompts.COMPLETIONS.
 Env: FLY_MODE (fly|ar|spd|pld, default fly), FLY_MAX_TOKENS (default 32), FLY_MAX_REQUESTS (default 20).
 """
 
@@ -12,14 +13,8 @@ from urllib.parse import urlparse
 from locust import HttpUser, between, events, task
 from locust.exception import StopUser
 
-PROMPTS = [
-    "def quicksort(arr):\n",
-    "def fibonacci(n):\n",
-    "class Stack:\n",
-    "def is_prime(n: int) -> bool:\n",
-    "def binary_search(xs, target):\n",
-    "def word_count(text: str) -> dict[str, int]:\n",
-]
+from fly_bench.prompts import COMPLETIONS as PROMPTS
+
 MODE = os.environ.get("FLY_MODE", "fly")
 MAX_TOKENS = int(os.environ.get("FLY_MAX_TOKENS", "32"))
 MAX_REQUESTS = int(os.environ.get("FLY_MAX_REQUESTS", "20"))

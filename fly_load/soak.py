@@ -2,8 +2,8 @@
 a mix of plain and streaming completions and chats, clients that give up early, and bad inputs;
 resident memory of the app's processes at the start and the end.
 
-    fly-serve serve --tiny &                                  # or the default profile
-    python loadtest/soak.py --requests 500 --concurrency 8    # prints one JSON summary
+    fly-serve serve --tiny &                                     # or the default profile
+    python -m fly_load.soak --requests 500 --concurrency 8       # prints one JSON summary
 
 Every request ends in one of: "answered" (200, a whole answer), "rejected" (the 4xx a bad input
 must get), "shed" (503 at capacity, with our error body), "client_left" (a client that gave up
@@ -25,17 +25,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import openai
-import psutil
 import requests
 
-PROMPTS = [
-    "def quicksort(arr):\n",
-    "def fibonacci(n):\n    ",
-    "class Stack:\n    def push(self, x):\n",
-    "Write a Python function that checks whether a number is prime.",
-    "Explain what a hash map is in one sentence.",
-    "def merge_sorted(a, b):\n",
-]
+from fly_bench.prompts import SOAK as PROMPTS
+
+from .client import stats
+from .procs import app_processes, rss_mib, server_pid_for
+from .waits import wait_idle
+
 # The kinds of request and their weights in the mix; each request's kind is drawn with --seed.
 MIX = {
     "complete": 3,
@@ -66,48 +63,6 @@ class Result:
     seconds: float
     detail: str = ""
     tokens: int = 0
-
-
-# ---- processes
-SERVER_MARKS = ("fly-serve", "fly_cli", "deployments.launch", "serve run")  # in a server's command line
-
-
-def server_pid_for(url: str) -> int | None:
-    """The server process: the nearest ancestor of the process listening on the URL's port (Serve's
-    HTTP proxy, a Ray worker) whose command line is a `fly-serve serve` / `serve run`."""
-    port = urllib.parse.urlparse(url).port or 80
-    listeners = [c.pid for c in psutil.net_connections("tcp") if c.laddr and c.laddr.port == port and c.pid]
-    if not listeners:
-        return None
-    for p in psutil.Process(listeners[0]).parents():
-        if any(mark in " ".join(p.cmdline()) for mark in SERVER_MARKS):
-            return p.pid
-    return None
-
-
-def app_processes(server_pid: int) -> dict[int, str]:
-    """pid -> name of the server and its Ray processes (actor workers are titled "ray::<class>")."""
-    root = psutil.Process(server_pid)
-    out = {server_pid: "server"}
-    for p in root.children(recursive=True):
-        try:
-            title = " ".join(p.cmdline())
-        except psutil.Error:
-            continue
-        if title.startswith("ray::"):
-            out[p.pid] = title.split()[0].removeprefix("ray::").split(".")[0]
-    return out
-
-
-def rss_mib(pids: dict[int, str]) -> dict[str, float]:
-    """Resident memory of each process (MiB), keyed "name (pid)"; a gone process is left out."""
-    out = {}
-    for pid, name in sorted(pids.items(), key=lambda kv: kv[1]):
-        try:
-            out[f"{name} ({pid})"] = round(psutil.Process(pid).memory_info().rss / 2**20, 1)
-        except psutil.Error:
-            pass
-    return out
 
 
 # ---- requests
@@ -221,17 +176,6 @@ class Client:
         return "unexpected", f"{name}: {r.status_code} {r.text[:200]}", 0
 
 
-def wait_idle(url: str, api_key: str | None) -> dict:
-    """The ingress's stats once nothing is in flight (at most IDLE_WAIT_S)."""
-    headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
-    deadline = time.monotonic() + IDLE_WAIT_S
-    while True:
-        s = requests.get(f"{url.rstrip('/')}/v1/fly/stats", headers=headers, timeout=30).json()
-        if (s["running"], s["waiting"], s["in_flight"]) == (0, 0, 0) or time.monotonic() > deadline:
-            return s
-        time.sleep(0.5)
-
-
 def summarize(results: list[Result]) -> dict:
     counts: dict[str, int] = {}
     by_kind: dict[str, dict[str, int]] = {}
@@ -288,7 +232,9 @@ def main(argv=None) -> dict:
             )
         )
     wall_s = time.monotonic() - t0
-    idle = wait_idle(args.url, args.api_key)
+    headers = {"authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    url = args.url.rstrip("/")
+    idle = wait_idle(url, IDLE_WAIT_S, headers) or stats(url, headers=headers)
     rss_end = rss_mib(pids)
     out = {
         "url": args.url,

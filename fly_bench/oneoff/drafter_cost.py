@@ -1,6 +1,6 @@
 """Drafter time per drafted token and agreement with the target, by drafter lm_head cut.
 
-    python benchmarks/drafter_cost.py --head-cuts none 16384 32768 65536 --max-tokens 96
+    python -m fly_bench.oneoff.drafter_cost --head-cuts none 16384 32768 65536 --max-tokens 96
 
 The default pair, target fp32 (bf16 is emulated on a CPU without bf16 instructions), drafter int8
 (quantized once into the converted cache, one file per cut). Per cut and prompt kind, `spd` at
@@ -17,8 +17,10 @@ import statistics
 import time
 
 import torch
-from forward_cost import forward_ms  # benchmarks/ is on sys.path when run as a script
 
+from fly_bench.oneoff.forward_cost import forward_ms
+from fly_bench.prompts import TASKS
+from fly_bench.timing import timed_one
 from fly_serve.build import build_engine
 from fly_serve.head_cut import CutHead
 from fly_serve.loading import load_model, load_tokenizer, set_threads
@@ -26,14 +28,7 @@ from fly_serve.prompts import chat_prompt
 from fly_serve.runner import Runner
 from fly_serve.weights import DEFAULT_DRAFTER, DEFAULT_TARGET
 
-PROMPTS = {
-    "code": "Write a Python function `merge_intervals(intervals)` that merges overlapping intervals given as a "
-    "list of [start, end] pairs and returns them sorted. Include a docstring and a few doctest examples.",
-    "math": "Solve step by step: a train leaves at 9:40 and travels 180 km at 72 km/h, then waits 15 minutes "
-    "and travels another 96 km at 64 km/h. At what time does it arrive? Show each calculation.",
-    "prose": "Explain to a new engineer, in a few plain paragraphs, what a race condition is, how one shows up "
-    "in a web service, and the usual ways to prevent it.",
-}
+KINDS = ("code", "math", "prose")  # prompts.TASKS
 
 
 def head_cut_arg(text: str) -> int | None:
@@ -42,18 +37,15 @@ def head_cut_arg(text: str) -> int | None:
 
 def drafted_run(engine, prompt: list[int], k: int, max_tokens: int) -> dict:
     """One greedy `spd` request without MLA; the drafter's share of it."""
-    req = engine.add(prompt, dict(mode="spd", k=k, mla=False, temperature=0.0, max_tokens=max_tokens))
-    while not req.finished:
-        engine.step()
-    s = req.stats
+    t = timed_one(engine, prompt, mode="spd", k=k, mla=False, temperature=0.0, max_tokens=max_tokens)
     return dict(
-        drafted=s.drafted,
-        accepted=s.accepted,
-        draft_s=s.draft_s,
-        tau=round(s.tau, 2),
-        ms_per_draft=round(1000 * s.draft_s / max(s.drafted, 1), 2),
-        agreement=round(s.accepted / max(s.drafted, 1), 3),
-        ids=req.generated,
+        drafted=t.drafted,
+        accepted=t.accepted,
+        draft_s=t.draft_s,
+        tau=round(t.tau, 2),
+        ms_per_draft=round(1000 * t.draft_s / max(t.drafted, 1), 2),
+        agreement=round(t.accepted / max(t.drafted, 1), 3),
+        ids=t.ids,
     )
 
 
@@ -129,7 +121,7 @@ def main() -> None:
     torch.manual_seed(0)
     tok = load_tokenizer(DEFAULT_TARGET)
     target = load_model(DEFAULT_TARGET, "fp32")
-    prompts = {kind: chat_prompt(tok, text) for kind, text in PROMPTS.items()}
+    prompts = {kind: chat_prompt(tok, TASKS[kind]) for kind in KINDS}
     lines, reference = [], None
     for head_cut in args.head_cuts:
         rows = measure_cut(target, tok, head_cut, prompts, args)

@@ -1,6 +1,6 @@
 """torchao vs torch.ao int8 for the drafter (issue 11): one-token cost and greedy agreement, eager mode.
 
-    python benchmarks/torchao_drafter.py
+    python -m fly_bench.oneoff.torchao_drafter
 
 The default drafter in fp32, then quantized copies: torch.ao dynamic int8 per-channel (what
 load_model(..., "int8") serves) and torchao's int8 weight-only, int8 dynamic-activation int8 weight
@@ -19,14 +19,11 @@ from dataclasses import asdict, dataclass
 import torch
 from transformers import DynamicCache
 
+from fly_bench.prompts import CODE
 from fly_serve.loading import load_model, load_tokenizer, quantize_int8, set_threads
 from fly_serve.prompts import chat_prompt
 from fly_serve.weights import DEFAULT_DRAFTER
 
-PROMPT = (
-    "Write a Python function `merge_intervals(intervals)` that merges overlapping intervals given as a "
-    "list of [start, end] pairs and returns them sorted. Include a docstring and a few doctest examples."
-)
 CONTEXT, REPS, WARMUPS, POSITIONS = 200, 20, 3, 64
 
 
@@ -97,7 +94,7 @@ def main() -> None:
     set_threads(2)
     torch.manual_seed(0)
     fp32 = load_model(DEFAULT_DRAFTER, "fp32")
-    prompt = torch.tensor([chat_prompt(load_tokenizer(DEFAULT_DRAFTER), PROMPT)])
+    prompt = torch.tensor([chat_prompt(load_tokenizer(DEFAULT_DRAFTER), CODE)])
     with torch.inference_mode():
         seq = fp32.generate(prompt, max_new_tokens=POSITIONS, do_sample=False)
         start = prompt.shape[1] - 1  # logits here predict the first continuation token

@@ -1,7 +1,7 @@
 """Serve overhead and throughput on the real default pair (or --tiny).
 
-  python loadtest/serve_bench.py --max-tokens 48            # both phases, prints a JSON summary
-  python loadtest/serve_bench.py --phase serve --config deployments/cpu-default.yaml
+  python -m fly_bench.oneoff.serve_overhead --max-tokens 48      # both phases, prints a JSON summary
+  python -m fly_bench.oneoff.serve_overhead --phase serve --config deployments/cpu-default.yaml
 
 Phase "inprocess": one request at a time through fly_serve.build.build_engine (no Ray).
 Phase "serve": the same single request through the Serve app (latency -> overhead ratio), then
@@ -18,19 +18,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from fly_bench.prompts import COMPLETIONS as PROMPTS
+from fly_bench.timing import timed_one
 
-PROMPTS = [
-    'def quicksort(arr):\n    """Sort a list with quicksort."""\n',
-    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
-    'class Stack:\n    """A LIFO stack backed by a list."""\n',
-    "def is_prime(n: int) -> bool:\n",
-    'def read_csv(path):\n    """Read a CSV file into a list of dicts."""\n',
-    "def binary_search(xs, target):\n",
-    "def word_count(text: str) -> dict[str, int]:\n",
-    'def merge_sorted(a, b):\n    """Merge two sorted lists."""\n',
-]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def in_process(args) -> dict:
@@ -39,15 +30,13 @@ def in_process(args) -> dict:
     engine = build_engine("tiny:0", "tiny:1", max_model_len=1024) if args.tiny else build_engine()
     out = {}
     for mode in args.modes:
-        engine.generate([PROMPTS[0]], {"max_tokens": 8, "mode": mode})  # warm-up
-        t = time.perf_counter()
-        [req] = engine.generate([PROMPTS[0]], {"max_tokens": args.max_tokens, "mode": mode})
-        dt = time.perf_counter() - t
+        timed_one(engine, PROMPTS[0], max_tokens=8, mode=mode)  # warm-up
+        t = timed_one(engine, PROMPTS[0], max_tokens=args.max_tokens, mode=mode)
         out[mode] = {
-            "latency_s": round(dt, 3),
-            "tokens": len(req.generated),
-            "tau": round(req.stats.tau, 2),
-            "tokens_per_s": round(len(req.generated) / dt, 2),
+            "latency_s": round(t.wall_s, 3),
+            "tokens": t.tokens,
+            "tau": round(t.tau, 2),
+            "tokens_per_s": round(t.tok_s, 2),
         }
     return out
 
@@ -121,7 +110,8 @@ def main():
         # a child process, so that its threads and memory are gone before Serve starts
         cmd = [
             sys.executable,
-            __file__,
+            "-m",
+            "fly_bench.oneoff.serve_overhead",
             "--phase",
             "inprocess",
             "--max-tokens",
@@ -130,7 +120,7 @@ def main():
             *args.modes,
         ] + (["--tiny"] if args.tiny else [])
         if args.phase == "both":
-            out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+            out = subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, text=True).stdout
             result["inprocess"] = json.loads(out.strip().splitlines()[-1])["inprocess"]
         else:
             result["inprocess"] = in_process(args)

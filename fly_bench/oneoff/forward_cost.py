@@ -1,6 +1,6 @@
 """Target forward time by tokens in the forward, bf16 against fp32, on this machine.
 
-    python benchmarks/forward_cost.py
+    python -m fly_bench.oneoff.forward_cost
 
 One forward of T new tokens after 200 cached (transformers' forward with a DynamicCache), best
 of 3, torch threads 2. Where bf16 has no hardware support (AVX2 without bf16 instructions) the

@@ -1,6 +1,6 @@
 """What each draft source adds to tau and to speed, per prompt kind, side by side in one run.
 
-    python benchmarks/draft_sources_bench.py --max-tokens 96 --k 15
+    python -m fly_bench.oneoff.draft_sources --max-tokens 96 --k 15
 
 The default pair in one process and one engine: target fp32 (bf16 is emulated on a CPU without
 bf16 instructions), drafter int8. Per prompt kind (code, math, prose, and "repeat": rewrite code
@@ -19,9 +19,9 @@ import argparse
 import json
 
 import torch
-from drafter_cost import PROMPTS
-from engine_bench import run  # benchmarks/ is on sys.path when run as a script
 
+from fly_bench.prompts import TASKS
+from fly_bench.timing import timed_one
 from fly_serve.build import build_engine
 from fly_serve.loading import load_model, load_tokenizer, set_threads
 from fly_serve.prompts import chat_prompt
@@ -47,7 +47,7 @@ REPEAT = (
     "Rename the function `merge_intervals` to `combine_ranges` and the variable `merged` to `result` in the "
     "code below. Return the whole code in one Python block, with no explanation.\n\n```python\n" + REPEAT_CODE + "```"
 )
-KINDS = {**PROMPTS, "repeat": REPEAT}
+KINDS = {"code": TASKS["code"], "math": TASKS["math"], "prose": TASKS["prose"], "repeat": REPEAT}
 
 
 def variants(k: int) -> list[tuple[str, dict]]:
@@ -77,19 +77,19 @@ def restore(engine, state) -> None:
 
 def run_kind(engine, kind: str, prompt: list[int], args) -> list[dict]:
     """Every variant on one prompt; leaves the sources as after this kind ran once."""
-    base, after_one, rows = snapshot(engine), None, []
+    base, after_one, runs, rows = snapshot(engine), None, [], []
     for label, params in variants(args.k):
         if label != "suffix 2nd":
             restore(engine, base)
-        r = run(engine, prompt, **params, max_tokens=args.max_tokens, temperature=0.0)
+        runs.append((label, timed_one(engine, prompt, **params, max_tokens=args.max_tokens, temperature=0.0)))
         if label == "suffix 1st":
             after_one = snapshot(engine)
-        rows.append(dict(r, kind=kind, variant=label))
-    ar = rows[0]
-    for r in rows:
-        r["speedup"] = round(r["tok_s"] / ar["tok_s"], 2)
-        r["same_as_ar"] = r["ids"] == ar["ids"]  # every variant but fly is lossless in fp32
-        print(json.dumps({k: v for k, v in r.items() if k != "ids"}), flush=True)
+    ar = runs[0][1]
+    for label, t in runs:
+        # every variant but fly is lossless in fp32
+        extra = dict(kind=kind, variant=label, speedup=round(t.speedup_over(ar), 2), same_as_ar=t.ids == ar.ids)
+        rows.append(t.row(**extra, ids=t.ids))
+        print(json.dumps({k: v for k, v in rows[-1].items() if k != "ids"}), flush=True)
     restore(engine, after_one)
     return rows
 
@@ -120,8 +120,8 @@ def main() -> None:
     drafter = load_model(DEFAULT_DRAFTER, "int8", head_cut=args.drafter_head_cut)
     engine = build_engine(target, drafter, tokenizer=tok, max_batch=1)
     warm = chat_prompt(tok, "Say hello.")
-    run(engine, warm, mode="ar", max_tokens=8)
-    run(engine, warm, mode="fly", k=4, max_tokens=8)
+    timed_one(engine, warm, mode="ar", max_tokens=8)
+    timed_one(engine, warm, mode="fly", k=4, max_tokens=8)
     engine.suffix_index.clear()  # the first kind starts from nothing learned
     engine.recycler.clear()
     rows = []

@@ -2,8 +2,8 @@
 8 and 16 concurrent users for each method, one run per (method, level), one after the other.
 
     fly-serve serve &                                   # the default profile on 127.0.0.1:8000
-    python loadtest/load_sweep.py --out loadtest/results/sweep
-    python loadtest/load_sweep.py --users 1 8 --methods ar fly:k=15 fly:k=auto --duration 30
+    python -m fly_load.load_sweep --out fly_load/results/sweep
+    python -m fly_load.load_sweep --users 1 8 --methods ar fly:k=15 fly:k=auto --duration 30
 
 Each user sends one streaming chat completion at a time (code and prose prompts, greedy), so
 the users are the requests in flight. Per run: tokens/s (completion tokens from the responses'
@@ -30,16 +30,7 @@ import gevent
 from locust import HttpUser, constant, task
 from locust.env import Environment
 
-PROMPTS = [
-    "Write a Python function that returns the n-th Fibonacci number iteratively.",
-    "Write a Python function `is_palindrome(s)` that ignores case and punctuation.",
-    "Explain in three sentences what a hash table is.",
-    "Write a short paragraph about why the sky is blue.",
-    "Write a Python class `Stack` with push, pop and peek.",
-    "Describe the water cycle for a ten-year-old in a few sentences.",
-    "Write a Python function that merges two sorted lists into one sorted list.",
-    "Give three tips for writing clear emails.",
-]
+from fly_bench.prompts import SWEEP_CHATS as PROMPTS
 
 
 @dataclass
@@ -241,7 +232,7 @@ def main(argv=None) -> None:
     ap.add_argument("--duration", type=float, default=45.0, help="seconds users keep sending, per run")
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--check", type=int, default=0, help="greedy outputs to compare with the in-process engine")
-    ap.add_argument("--out", default="loadtest/results/sweep")
+    ap.add_argument("--out", default="fly_load/results/sweep")
     args = ap.parse_args(argv)
     if urlparse(args.host).hostname not in ("127.0.0.1", "localhost"):
         sys.exit(f"--host: only 127.0.0.1 is allowed (got {args.host})")

@@ -1,0 +1,204 @@
+"""The service against the engine, one request at a time (issue 19's table): the same chat
+requests, greedy, through `build_engine()` in one process and through `fly-serve serve` with each
+profile given, one after the other so that they never share the cores.
+
+  python -m fly_bench.oneoff.served_vs_engine --configs deployments/cpu-default.yaml deployments/cpu-tp2.yaml \
+      --max-tokens 160 --out bench_out/served
+
+Methods: `ar`; `default` (no `fly` object: the profile's own defaults; in process the same
+defaults); `fly_k15` (k 15, theta 0.3, window 6). Per (where, method, prompt): tokens/s, rounds,
+drafts, and draft / verify milliseconds per round. Then the same greedy default request alone, 3
+times plain and once streamed: how many different texts came back (one is the promise). Writes
+results.json and summary.md; speed is compared only as ratios within the run.
+"""
+
+import argparse
+import contextlib
+import json
+import platform
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import requests
+import yaml
+
+from fly_bench.prompts import CODE
+
+# a rewrite copies most of its prompt: drafting pays most there
+REWRITE = (
+    "Rewrite this function with type hints and a docstring, changing nothing else:\n\n"
+    "def moving_average(xs, n):\n    out = []\n    s = 0\n    for i, x in enumerate(xs):\n"
+    "        s += x\n        if i >= n:\n            s -= xs[i - n]\n        if i >= n - 1:\n"
+    "            out.append(s / n)\n    return out\n"
+)
+PROMPTS = {"code": CODE, "rewrite": REWRITE}
+METHODS = {"ar": {"mode": "ar"}, "default": {}, "fly_k15": {"mode": "fly", "k": 15, "theta": 0.3, "window": 6}}
+REPEATS = 3  # plain requests of the determinism check (plus one streamed)
+
+
+def profile_args(config: str) -> dict:
+    return yaml.safe_load(Path(config).read_text())["applications"][0]["args"]
+
+
+def row(tokens: int, wall_s: float, fly: dict) -> dict:
+    rounds = max(fly.get("rounds", 0), 1)
+    return {
+        "tok_s": round(tokens / wall_s, 2),
+        "tokens": tokens,
+        "rounds": fly.get("rounds"),
+        "drafted": fly.get("drafted"),
+        "draft_ms_per_round": round(1000 * fly.get("draft_s", 0) / rounds, 1),
+        "verify_ms_per_round": round(1000 * fly.get("verify_s", 0) / rounds, 1),
+    }
+
+
+# ---- in process
+def in_process(config: str, max_tokens: int, tiny: bool) -> dict:
+    from fly_serve.build import build_engine
+    from fly_serve.params import Params
+    from fly_serve.prompts import chat_prompt
+
+    a = profile_args(config)
+    engine = build_engine(
+        *(("tiny:0", "tiny:1") if tiny else ()),
+        dtype=a.get("dtype", "auto"),
+        drafter_precision=a.get("drafter_precision", "int8"),
+        max_batch=a.get("max_batch", 8),
+        defaults=Params.from_dict(a.get("defaults", {})),
+    )
+    out = {}
+    for method, knobs in METHODS.items():
+        for name, text in PROMPTS.items():
+            ids = chat_prompt(engine.tokenizer, text)
+            engine.generate([ids], {**knobs, "max_tokens": 8})  # warm-up
+            t = time.perf_counter()
+            [req] = engine.generate([ids], {**knobs, "max_tokens": max_tokens})
+            out[f"{method}/{name}"] = row(len(req.generated), time.perf_counter() - t, req.stats.as_dict())
+    return out
+
+
+# ---- through Serve
+def chat(url: str, text: str, knobs: dict, max_tokens: int, stream: bool = False) -> tuple[str, int, dict, float]:
+    body = {"messages": [{"role": "user", "content": text}], "max_tokens": max_tokens, "temperature": 0}
+    body |= {"fly": knobs} if knobs else {}
+    t = time.perf_counter()
+    if not stream:
+        r = requests.post(f"{url}/v1/chat/completions", json=body, timeout=1800)
+        r.raise_for_status()
+        o = r.json()
+        return o["choices"][0]["message"]["content"], o["usage"]["completion_tokens"], o["fly"], time.perf_counter() - t
+    parts, last = [], {}
+    with requests.post(f"{url}/v1/chat/completions", json=body | {"stream": True}, stream=True, timeout=1800) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if line.startswith(b"data: ") and line != b"data: [DONE]":
+                chunk = json.loads(line[6:])
+                parts += [c["delta"].get("content", "") for c in chunk.get("choices", [])]
+                last = chunk
+    return "".join(parts), last["usage"]["completion_tokens"], last["fly"], time.perf_counter() - t
+
+
+@contextlib.contextmanager
+def serving(config: str, port: int, tiny: bool):
+    """`fly-serve serve` with this profile on 127.0.0.1:port until the block ends (SIGTERM then)."""
+    cmd = [sys.executable, "-m", "fly_cli.main", "serve", "--config", config, "--port", str(port)]
+    cmd += ["--tiny"] if tiny else []
+    server = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        seen = []
+        for line in server.stdout:  # the launcher prints "ready at" once /healthz answers
+            seen.append(line)
+            if "ready at" in line:
+                break
+        else:
+            raise RuntimeError("the service did not become ready:\n" + "".join(seen[-30:]))
+        threading.Thread(target=server.stdout.read, daemon=True).start()  # keep its pipe drained
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.send_signal(signal.SIGTERM)
+        server.wait(timeout=300)
+
+
+def through_serve(config: str, max_tokens: int, port: int, tiny: bool) -> dict:
+    with serving(config, port, tiny) as url:
+        out = {}
+        for method, knobs in METHODS.items():
+            for name, text in PROMPTS.items():
+                chat(url, text, knobs, 8)  # warm-up
+                _, tokens, fly, wall = chat(url, text, knobs, max_tokens)
+                out[f"{method}/{name}"] = row(tokens, wall, fly)
+        texts = [chat(url, CODE, {}, 96)[0] for _ in range(REPEATS)]
+        texts.append(chat(url, CODE, {}, 96, stream=True)[0])
+        out["same_text"] = {"requests": len(texts), "distinct_texts": len(set(texts))}
+        out["stats"] = requests.get(f"{url}/v1/fly/stats", timeout=60).json()
+        return out
+
+
+# ---- report
+def summary(result: dict) -> str:
+    lines = [
+        f"CPU: {result['cpu']}; bf16 instructions: {result['bf16']}; max_tokens {result['max_tokens']}",
+        "",
+        "| where | " + " | ".join(f"{m} code (rewrite)" for m in METHODS) + " | fly_k15 draft / verify ms a round |",
+        "|---|" + "---|" * (len(METHODS) + 1),
+    ]
+    for where, res in result["runs"].items():
+        cells = [f"{res[f'{m}/code']['tok_s']} ({res[f'{m}/rewrite']['tok_s']})" for m in METHODS]
+        f = res["fly_k15/code"]
+        lines.append(
+            f"| {where} | " + " | ".join(cells) + f" | {f['draft_ms_per_round']} / {f['verify_ms_per_round']} |"
+        )
+    lines.append("")
+    for where, res in result["runs"].items():
+        if "same_text" in res:
+            s = res["same_text"]
+            lines.append(f"- {where}: the same greedy request {s['requests']} times: {s['distinct_texts']} text(s)")
+    return "\n".join(lines) + "\n"
+
+
+def cpu() -> tuple[str, bool]:
+    flags, name = "", platform.processor()
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            name = line.split(":", 1)[1].strip()
+        if line.startswith("flags"):
+            flags = line
+            break
+    return name, "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--configs", nargs="+", default=["deployments/cpu-default.yaml"])
+    p.add_argument("--max-tokens", type=int, default=160)
+    p.add_argument("--out", default="bench_out/served")
+    p.add_argument("--skip-in-process", action="store_true")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--tiny", action="store_true", help="tiny random models: a smoke run of this script")
+    p.add_argument("--in-process-only", help=argparse.SUPPRESS)  # the child process's own phase
+    args = p.parse_args()
+    if args.in_process_only:
+        print(json.dumps(in_process(args.in_process_only, args.max_tokens, args.tiny)))
+        return
+    name, bf16 = cpu()
+    result = {"cpu": name, "bf16": bf16, "max_tokens": args.max_tokens, "runs": {}}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if not args.skip_in_process:  # a child process: its threads and memory are gone before Serve starts
+        cmd = [sys.executable, "-m", __spec__.name, "--in-process-only", args.configs[0]] + ["--tiny"] * args.tiny
+        done = subprocess.run(cmd + ["--max-tokens", str(args.max_tokens)], check=True, capture_output=True, text=True)
+        result["runs"]["one process"] = json.loads(done.stdout.strip().splitlines()[-1])
+    for config in args.configs:
+        result["runs"][f"Serve, {Path(config).stem}"] = through_serve(config, args.max_tokens, args.port, args.tiny)
+        (out / "results.json").write_text(json.dumps(result, indent=1))
+    (out / "results.json").write_text(json.dumps(result, indent=1))
+    (out / "summary.md").write_text(summary(result))
+    print(summary(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,31 @@
+"""The flags that choose a model pair, shared by every command that loads one (generate, tune-k).
+A module of its own so that main.py and tune_k.py both import it and not each other."""
+
+import argparse
+
+from fly_serve.loading import DTYPES, PRECISIONS
+from fly_serve.weights import DEFAULT_DRAFTER, DEFAULT_TARGET
+
+
+def add_pair(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default=DEFAULT_TARGET, help="model name, local directory or hub id")
+    p.add_argument("--drafter", default=DEFAULT_DRAFTER, help="model name, local directory or hub id")
+    p.add_argument(
+        "--dtype",
+        choices=["auto", *DTYPES],
+        default="auto",
+        help="target precision (auto: bf16 with hardware bf16, else fp32)",
+    )
+    p.add_argument("--drafter-precision", choices=PRECISIONS, default="int8")
+    p.add_argument(
+        "--drafter-head-cut",
+        type=int,
+        default=None,
+        help="cut the drafter's lm_head to the ids below this (plus the tokenizer's added tokens)",
+    )
+    p.add_argument(
+        "--draft-min-confidence",
+        type=float,
+        default=0.0,
+        help="stop drafting a row once the drafter's probability of its token is below this",
+    )

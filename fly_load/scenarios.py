@@ -1,0 +1,297 @@
+"""The fault scenarios, each a function that drives a live app and returns what happened as a
+dataclass: tests/test_faults.py asserts on the results, fault_run.py prints them (summary()).
+
+  drafter_kill   the drafter replica SIGKILLed mid-generation (2 plain + 1 streaming in flight)
+  tp_rank_kill   one TP rank of the target SIGKILLed mid-generation
+  overload       more concurrent requests than the batch and the queue hold
+  sigterm_drain  SIGTERM to `fly-serve serve` with requests in flight (the server is this run's child)
+
+Pids come from procs.replica_pids (the process tree under App.root_pid) and only processes this
+process started are killed (procs.kill_ours). Every request has a client timeout; every wait
+goes through waits.until with a deadline.
+"""
+
+import signal
+import time
+from dataclasses import asdict, dataclass
+
+from .client import CLIENT_TIMEOUT_S, InFlight, Outcome, Tally, complete, failures, stats
+from .procs import alive, kill_ours, replica_pids
+from .server import ServeProcess
+from .waits import HealthWatch, probe_until, until, wait_generating, wait_status
+
+PROMPT = "def add(a, b):\n    return"
+N_LATER = 3  # requests after a recovery, to show it holds
+
+
+class ScenarioError(RuntimeError):
+    """The app is not in the shape the scenario needs (no drafter replica, no TP ranks)."""
+
+
+@dataclass
+class App:
+    """A live app and the run's limits."""
+
+    url: str
+    root_pid: int  # the app's processes descend from it: a `fly-serve serve` child, or this process
+    timeout_s: float = CLIENT_TIMEOUT_S  # a request with no answer by then is hung
+    recovery_timeout_s: float = 180.0
+
+
+def _after(outcomes: list[Outcome], t: float) -> list[float]:
+    return [round(o.ended - t, 1) for o in outcomes]
+
+
+def _drafter_forwards(url: str) -> int | None:
+    """The drafter's model forwards, through the ingress's stats; None while no replica answers."""
+    cache = stats(url).get("drafter_cache")
+    return None if cache is None else cache["forwards"]
+
+
+# ---- the drafter replica SIGKILLed
+@dataclass
+class DrafterKill:
+    old_pid: int
+    new_pid: int | None
+    t_kill: float
+    in_flight: list[Outcome]  # plain first, the stream last
+    recovery_s: float | None  # from the kill until a new replica drafted with the model
+    while_recovering: list[Outcome]  # requests sent once the in-flight ones had ended, until then
+    later: list[Outcome]  # after the recovery
+    forwards_before_later: int | None
+    forwards_after_later: int | None
+    old_pid_alive: bool
+
+    def summary(self) -> dict:
+        return {
+            "in_flight": asdict(Tally.of(self.in_flight)),
+            "in_flight_ended_before_kill": sum(o.ended <= self.t_kill for o in self.in_flight),
+            "in_flight_ended_s_after_kill": _after(self.in_flight, self.t_kill),
+            "in_flight_finished_normally": sum(o.finished_normally for o in self.in_flight),
+            "in_flight_errors": failures(self.in_flight),
+            "stream_longest_pause_s": round(self.in_flight[-1].longest_pause_s, 1),
+            "recovery_s": self.recovery_s,
+            "drafter_pid": f"{self.old_pid} -> {self.new_pid}",
+            "old_pid_alive": self.old_pid_alive,
+            "requests_while_recovering": asdict(Tally.of(self.while_recovering)),
+            "errors_while_recovering": failures(self.while_recovering),
+            "later_requests": asdict(Tally.of(self.later)),
+            "later_errors": failures(self.later),
+            "later_drafted": [o.body["fly"]["drafted"] for o in self.later if o.kind == "ok"],
+            "drafter_forwards_during_later": None
+            if None in (self.forwards_before_later, self.forwards_after_later)
+            else self.forwards_after_later - self.forwards_before_later,
+        }
+
+
+def drafter_kill(app: App, inflight_tokens: int, probe_tokens: int) -> DrafterKill:
+    old = replica_pids(app.root_pid, "FlyDrafter")
+    if len(old) != 1:
+        raise ScenarioError(f"expected one drafter replica, found pids {old}")
+    # small k and window: each request takes many rounds, so it is still running when the kill comes
+    fly = {"mode": "fly", "k": 2, "window": 1}
+    flight = InFlight(app.url, {"prompt": PROMPT, "max_tokens": inflight_tokens, "fly": fly}, timeout_s=app.timeout_s)
+    wait_generating(app.url, len(flight), timeout_s=app.timeout_s, rounds=2)
+    t_kill = time.monotonic()
+    kill_ours(old[0])
+    probe = {"prompt": PROMPT, "max_tokens": probe_tokens, "fly": fly}
+    waiting: list[Outcome] = []
+    new_pid: list[int] = []
+
+    def drafting_again():
+        """A replica other than the killed one that has drafted; once the in-flight requests have
+        ended, one more request per check gives the new replica rounds to draft in."""
+        pids = replica_pids(app.root_pid, "FlyDrafter")
+        if pids and pids[-1] != old[0]:
+            new_pid[:] = pids[-1:]
+            if (_drafter_forwards(app.url) or 0) > 0:
+                return time.monotonic()
+        if all(f.done() for f in flight.futures):
+            waiting.append(complete(app.url, probe, timeout_s=app.timeout_s))
+        return None
+
+    back_at = until(drafting_again, app.recovery_timeout_s)
+    in_flight = flight.gather(app.timeout_s + 30)
+    before = until(lambda: _drafter_forwards(app.url), 30)
+    later = [complete(app.url, probe, timeout_s=app.timeout_s) for _ in range(N_LATER)]
+    after = until(lambda: _drafter_forwards(app.url), 30)
+    return DrafterKill(
+        old[0],
+        new_pid[0] if new_pid else None,
+        t_kill,
+        in_flight,
+        None if back_at is None else round(back_at - t_kill, 1),
+        waiting,
+        later,
+        before,
+        after,
+        alive(old[0]),
+    )
+
+
+# ---- one TP rank SIGKILLed
+@dataclass
+class RankKill:
+    old_ranks: list[int]
+    killed: int
+    new_ranks: list[int]
+    old_replica: list[int]  # the target replica's pid (the group's driver)
+    new_replica: list[int]
+    t_kill: float
+    in_flight: list[Outcome]
+    healthz_changes: list[tuple[float, int | None]]  # (seconds after the kill, status)
+    until_success: list[Outcome]  # requests after the in-flight ones, the last one the first success
+    later: list[Outcome]
+
+    @property
+    def recovery_s(self) -> float | None:
+        """From the kill until the first request succeeded again."""
+        ok = [o for o in self.until_success if o.kind == "ok"]
+        return round(ok[0].ended - self.t_kill, 1) if ok else None
+
+    def healthz_first(self, status: int | None, after_s: float = 0.0) -> float | None:
+        return next((round(t, 1) for t, s in self.healthz_changes if s == status and t >= after_s), None)
+
+    def summary(self) -> dict:
+        went = self.healthz_first(503)
+        return {
+            "killed_rank_pid": self.killed,
+            "in_flight": asdict(Tally.of(self.in_flight)),
+            "in_flight_ended_before_kill": sum(o.ended <= self.t_kill for o in self.in_flight),
+            "in_flight_ended_s_after_kill": _after(self.in_flight, self.t_kill),
+            "in_flight_errors": failures(self.in_flight),
+            "healthz_503_s": went,
+            "healthz_200_again_s": None if went is None else self.healthz_first(200, after_s=went),
+            "healthz_changes": [[round(t, 1), s] for t, s in self.healthz_changes],
+            "first_success_s": self.recovery_s,
+            "requests_until_success": asdict(Tally.of(self.until_success)),
+            "errors_until_success": failures(self.until_success),
+            "later_requests": asdict(Tally.of(self.later)),
+            "later_errors": failures(self.later),
+            "rank_pids": f"{self.old_ranks} -> {self.new_ranks}",
+            "target_replica_pid": f"{self.old_replica} -> {self.new_replica}",
+            "old_ranks_alive": [p for p in self.old_ranks if alive(p)],
+        }
+
+
+def tp_rank_kill(app: App, inflight_tokens: int, probe_tokens: int) -> RankKill:
+    old_ranks = replica_pids(app.root_pid, "TPWorker")
+    if len(old_ranks) < 2:
+        raise ScenarioError(f"expected TP ranks (tp_size > 1), found pids {old_ranks}")
+    old_replica = replica_pids(app.root_pid, "FlyTarget")
+    body = {"prompt": PROMPT, "max_tokens": inflight_tokens, "fly": {"mode": "ar"}}
+    flight = InFlight(app.url, body, timeout_s=app.timeout_s)
+    wait_generating(app.url, len(flight), timeout_s=app.timeout_s, rounds=2)
+    health = HealthWatch(app.url)
+    t_kill = health.t0
+    kill_ours(old_ranks[-1])
+    try:
+        in_flight = flight.gather(app.timeout_s + 30)
+        probe = {"prompt": PROMPT, "max_tokens": probe_tokens, "fly": {"mode": "ar"}}
+        left = app.recovery_timeout_s - (time.monotonic() - t_kill)
+        probes = probe_until(app.url, probe, lambda ps: bool(ps) and ps[-1].kind == "ok", left, app.timeout_s)
+    finally:
+        health.close()
+    ok = bool(probes) and probes[-1].kind == "ok"
+    later = [complete(app.url, probe, timeout_s=app.timeout_s) for _ in range(N_LATER)] if ok else []
+    return RankKill(
+        old_ranks,
+        old_ranks[-1],
+        replica_pids(app.root_pid, "TPWorker"),
+        old_replica,
+        replica_pids(app.root_pid, "FlyTarget"),
+        t_kill,
+        in_flight,
+        list(health.changes),
+        probes,
+        later,
+    )
+
+
+# ---- overload
+@dataclass
+class Overload:
+    concurrent: int
+    max_batch: int
+    max_waiting: int
+    outcomes: list[Outcome]
+    wall_s: float
+
+    def summary(self) -> dict:
+        counts = {"200": 0, "503": 0, "other": 0, "hung": 0}
+        codes: dict[str, int] = {}
+        for o in self.outcomes:
+            key = "hung" if o.kind == "hung" else "200" if o.kind == "ok" else "503" if o.status == 503 else "other"
+            counts[key] += 1
+            if key == "503":
+                code = str(((o.body or {}).get("error") or {}).get("code"))
+                codes[code] = codes.get(code, 0) + 1
+        seconds = {k: [o.ended - o.started for o in self.outcomes if o.status == int(k)] for k in ("200", "503")}
+        return {
+            "concurrent": self.concurrent,
+            "max_batch": self.max_batch,
+            "max_waiting": self.max_waiting,
+            "counts": counts,
+            "503_error_codes": codes,
+            "max_s": {k: round(max(v), 2) if v else None for k, v in seconds.items()},
+            "other": failures([o for o in self.outcomes if o.kind != "ok" and o.status != 503]),
+            "wall_s": round(self.wall_s, 1),
+        }
+
+
+def overload(app: App, max_batch: int, max_waiting: int, max_tokens: int) -> Overload:
+    """4 x max_batch + max_waiting short requests at once: the excess must get a 503, none may hang."""
+    n = 4 * max_batch + max_waiting
+    t0 = time.monotonic()
+    flight = InFlight(
+        app.url, {"prompt": PROMPT, "max_tokens": max_tokens}, n_plain=n, n_stream=0, timeout_s=app.timeout_s
+    )
+    outcomes = flight.gather(app.timeout_s + 30)
+    return Overload(n, max_batch, max_waiting, outcomes, time.monotonic() - t0)
+
+
+# ---- SIGTERM to the server with requests in flight
+@dataclass
+class Drain:
+    t_term: float
+    in_flight: list[Outcome]  # one plain, one stream
+    healthz_503_s: float | None  # from SIGTERM until /healthz said 503 (draining)
+    refused: Outcome  # a request sent while draining
+    exit_code: int | None  # None: it did not exit within the grace period and the shutdown
+    exit_s: float
+    log: list[str]  # the server's own "fly-serve:" lines
+
+    def summary(self) -> dict:
+        return {
+            "requests": asdict(Tally.of(self.in_flight)),
+            "finished_s_after_term": _after(self.in_flight, self.t_term),
+            "stream_longest_pause_s": round(self.in_flight[-1].longest_pause_s, 1),
+            "healthz_503_s_after_term": self.healthz_503_s,
+            "request_after_term": f"{self.refused.kind} {self.refused.detail[:80]}",
+            "exit_code": self.exit_code,
+            "exit_s_after_term": round(self.exit_s, 1),
+            "log": self.log,
+        }
+
+
+def sigterm_drain(server: ServeProcess, inflight_tokens: int, exit_timeout_s: float) -> Drain:
+    """The server must finish what it holds, refuse new work with a 503 meanwhile, and exit 0."""
+    body = {"prompt": PROMPT, "max_tokens": inflight_tokens, "fly": {"mode": "ar"}}
+    flight = InFlight(server.url, body, n_plain=1, n_stream=1)
+    wait_generating(server.url, len(flight))
+    t_term = time.monotonic()
+    kill_ours(server.pid, signal.SIGTERM)
+    # once the ingress drains, /healthz says so and new requests are turned away
+    draining = wait_status(server.url, 503, timeout_s=10)
+    refused = complete(server.url, {"prompt": PROMPT, "max_tokens": 4})
+    in_flight = flight.gather(CLIENT_TIMEOUT_S)
+    rc = until(lambda: server.proc.poll(), exit_timeout_s)
+    return Drain(
+        t_term,
+        in_flight,
+        None if draining is None else round(draining - t_term, 1),
+        refused,
+        rc,
+        time.monotonic() - t_term,
+        [line for line in server.lines if line.startswith("fly-serve:")],
+    )

@@ -1,0 +1,183 @@
+"""The ks of one round (k "auto"): each row's drafts for the most expected tokens per predicted
+second of the round (the objective of SmartSpec, Liu et al. 2024). A row at k = 0 is plain
+decoding inside the same target forward.
+
+  RowInfo             what the allocator knows of a row (cap, drafter kind, acceptance, MLA)
+  plan / allocate     the ks of one round (the rule is in plan's docstring)
+  min_confidence_for  when the drafter should stop a row early
+"""
+
+import functools
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from .round_cost import KINDS, MODEL, NONE, RoundCostModel, tokens_per_forward
+
+_TINY = 1e-12
+
+
+@dataclass
+class RowInfo:
+    key: str
+    k_max: int  # the request's cap (and what room is left in max_tokens / the context)
+    drafter: str = MODEL  # one of KINDS
+    acceptance: float | None = None  # None: the policy's tracker fills it
+    tokens_per_forward: float | None = None  # drafts per drafter forward; None: tracker / 1
+    fixed: bool = False  # k is k_max (a request with a fixed k); the others adapt around it
+
+    def __post_init__(self):
+        if self.drafter not in KINDS:
+            raise ValueError(f"drafter: must be one of {', '.join(KINDS)} (got {self.drafter!r})")
+
+
+@dataclass
+class Plan:
+    ks: list[int]
+    tokens: float  # expected tokens emitted by the round
+    seconds: float  # predicted seconds of the round
+    forwards: int = 0  # drafter forwards
+    marginal_s: float = 0.0  # seconds one more draft of a row below the longest would add
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else math.inf
+
+
+def plan(rows: list[RowInfo], cost: RoundCostModel, max_iter: int = 12) -> Plan:
+    """The ks maximizing expected tokens / predicted seconds of the round.
+
+    The greedy by marginal tokens per marginal second starts every row at k = 0, adds the
+    increment (row b's next draft j) with the best ratio of its tokens, a_b**j (the chance that
+    it and the drafts before it are kept), to its seconds, and stops when the next one would
+    lower the round's tokens / second. Where it stops it holds exactly the increments whose ratio
+    beats the round's rate. This computes that fixed point directly (Dinkelbach's iteration for a
+    ratio): at a rate lam, row b takes the drafts with a_b**j > lam * (its seconds per draft), a
+    count that is a logarithm since a_b**j is geometric; the best such allocation's rate is the
+    next lam, until no allocation beats lam. With linear costs that is the optimum.
+
+    The drafter's per-forward cost c is shared, so the candidates are made for every number L of
+    drafter forwards: under L a model row drafts at most L * t_b (t_b its tokens per forward) and
+    the round pays c * L. The best L wins, so a row that would raise the number of forwards is
+    charged a whole forward, and a row below it only its share. A greedy over single increments
+    alone would miss that: no row by itself may pay for the first forward that all rows together
+    pay for.
+
+    The target's seconds per draft come from the cost model's curve around the current token
+    count; every candidate is costed exactly on the curve. Where no threshold allocation beats lam
+    (a kink of a curved verify(n) that the thresholds jump over), the greedy's own single steps,
+    one draft more or one less for one row, are tried before stopping. Exact on brute force for
+    linear and convex verify(n); on a non-convex one it may stop at a local optimum.
+    """
+    B = len(rows)
+    if B == 0:
+        return Plan([], 0.0, 0.0)
+    cols = [
+        (
+            0 if r.drafter == NONE else max(int(r.k_max), 0),
+            r.acceptance or 0.0,
+            r.drafter == MODEL,
+            tokens_per_forward(r),
+            r.fixed,
+        )
+        for r in rows
+    ]
+    cap, a, model, tpf, fixed = (np.array(x) for x in zip(*cols))
+    a = np.minimum(np.maximum(a.astype(float), 0.0), 1.0)
+    e, c, d = (float(x) for x in cost.draft_coefficients)
+    per_forward = np.where(model, 1.0 / tpf, 0.0)  # drafter forwards per draft of the row
+    d_row = d * per_forward  # drafter seconds per draft of the row
+    floor = np.where(fixed, cap, 0)  # a fixed row drafts its k_max
+
+    # Tables: sum_{j<=m} a**j (drafts kept in expectation) by row and m; verify by drafts.
+    K = int(cap.max())
+    flat = (np.cumsum(a[:, None] ** np.arange(K + 1), axis=1) - 1.0).ravel()
+    base = np.arange(B) * (K + 1)
+    verify = cost.verify_s(np.arange(B, B + int(cap.sum()) + 2, dtype=float))
+    slope = np.diff(verify)
+    # a**j > x  <=>  j < log(x) / log(a); a = 1 gets a tiny negative log (every draft is kept).
+    inv_log_a = 1.0 / np.log(np.minimum(np.maximum(a, 1e-300), 1.0 - 1e-15))
+
+    # Levels: the drafter forwards L, and how far each row may draft under each (a row without
+    # drafter forwards is not limited: the + K + 1).
+    need = np.ceil(cap * per_forward - 1e-9)
+    low = int((need * fixed).max())
+    levels = np.arange(low, int(need.max()) + 1)
+    unlimited = np.where(model, 0, K + 1)
+    limit = np.minimum(np.floor(levels[:, None] * tpf + 1e-9) + unlimited, cap).astype(int)  # [L, B]
+
+    def rate_of(k):
+        """Exact tokens / seconds of allocations k [..., B] -> (rate, seconds) [...]."""
+        f = k * per_forward
+        forwards = np.ceil(f.max(-1) - 1e-9)
+        seconds = cost.overhead_s + verify[k.sum(-1)] + (e + c * forwards) * (forwards > 0) + d * f.sum(-1)
+        return (B + flat[base + k].sum(-1)) / np.maximum(seconds, _TINY), seconds
+
+    def best_of(k):
+        """The best of candidate allocations k [N, B]: (rate, allocation)."""
+        rates = rate_of(k)[0]
+        i = int(np.argmax(rates))
+        return float(rates[i]), k[i]
+
+    # Start from the best uniform allocation (every row at min(j, its cap), j = 0..K): a verify(n)
+    # that jumps before it flattens (a CPU's one-token forward takes a faster kernel than a
+    # two-token one) makes every single first draft a loss while k = 7 is a gain; the threshold
+    # iteration alone would stay at k = 0, a local optimum.
+    lam, ks = best_of(np.maximum(np.minimum(np.arange(K + 1)[:, None], cap), floor))
+    for _ in range(max_iter):
+        # The target's seconds per draft, either side of the current token count and between.
+        n = int(ks.sum())
+        s = slope[[max(n - 1, 0), n]]
+        s = np.array([s[0], s[1], s.mean()])
+        # Drafts worth their seconds at rate lam: a**j > x, x = lam * seconds per draft.
+        cost_row = lam * (s[:, None] + d_row)  # [S, B]
+        worth = np.ceil(np.log(np.maximum(cost_row, 1e-300)) * inv_log_a) - 1
+        worth = np.minimum(np.maximum(worth, floor), cap).astype(int)
+        # Under each level, each row up to its limit (levels above the longest row add nothing),
+        # every candidate costed exactly.
+        top = math.ceil(float((worth * per_forward).max()) - 1e-9)
+        rate, k = best_of(np.minimum(worth[:, None, :], limit[: max(top - low, 0) + 1]).reshape(-1, B))
+        if rate <= lam * (1 + 1e-12):
+            # The greedy's own moves, one draft more or one less for a row: they climb to a kink
+            # of a curved verify(n) that the thresholds jump over.
+            rate, k = best_of(np.minimum(np.maximum(ks + _steps(B), floor), cap))
+            if rate <= lam * (1 + 1e-12):
+                break  # nothing beats lam: with linear costs, lam is the optimum
+        lam, ks = rate, k
+    rate, seconds = (float(x) for x in rate_of(ks))
+    return Plan(
+        ks=ks.tolist(),
+        tokens=rate * seconds,
+        seconds=seconds,
+        forwards=math.ceil(float((ks * per_forward).max()) - 1e-9),
+        marginal_s=float(slope[int(ks.sum())]) + d,
+    )
+
+
+@functools.lru_cache(maxsize=8)
+def _steps(B: int) -> np.ndarray:
+    """Every single-row step of an allocation of B rows: +1 for one row, then -1 for one row."""
+    steps = np.concatenate([np.eye(B, dtype=int), -np.eye(B, dtype=int)])
+    steps.flags.writeable = False
+    return steps
+
+
+def allocate(rows: list[RowInfo], cost: RoundCostModel) -> list[int]:
+    """Each row's k for this round; see plan."""
+    return plan(rows, cost).ks
+
+
+def min_confidence_for(rate: float, marginal_s: float) -> float:
+    """The drafter's confidence below which drafting a row further does not pay.
+
+    A draft adds to the round's output the chance that it is kept (it and the drafts before it),
+    and costs marginal_s seconds, in which the round earns rate * marginal_s tokens on average
+    (rate: the plan's tokens per second). So the draft pays only if its chance to be kept is at
+    least rate * marginal_s, the same test the allocator applies with a**j. The drafter's own
+    probability stands in for that chance: best the product of its probabilities over the row's
+    drafts so far this round; its latest token's probability alone is a looser test (it drafts
+    more). With FLy the target also keeps some drafts it disagrees with, so the drafter's
+    probability understates the chance and the rule errs toward stopping a little early.
+    """
+    return min(1.0, max(0.0, rate * marginal_s))

@@ -1,0 +1,271 @@
+"""Measure k "auto"'s cost profile where the engine runs, once per machine, models and versions.
+
+A profile measured on one machine is wrong on another (a CPU with bf16 instructions has another
+curve than one without; a GPU another again), so none is baked into a default: the engine times
+its own parts through the same protocols a round uses (contracts.Scorer / Drafter), in process
+or through remote replicas alike, and caches the result under the fly-serve cache dir, keyed by
+a hash of everything that changes the curve (calibration_key). `fly-serve tune-k` writes the same
+entry. A profile given explicitly (`speculation_profile`) overrides it.
+
+  target    seconds of one verification by tokens in it: 1, 2, 4, ... up to k_max + 1 on one row,
+            then whole rows of k_max drafts up to max_batch rows (a few points, the fastest of
+            `reps` calls each)
+  drafter   seconds per batched forward by rows in it (1 and max_batch rows): drafting 1 and
+            DRAFT_K tokens per row, the difference is DRAFT_K - 1 forwards
+
+The timing rows are dummies (random token ids, a short context) under their own keys; their KV
+is released afterwards, so the requests that follow have the whole cache.
+"""
+
+import hashlib
+import importlib.metadata as md
+import json
+import logging
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from .contracts import Drafts, Row
+from .round_cost import CostProfile, fit_per_forward
+from .weights import cache_dir
+
+log = logging.getLogger("fly_serve.cost_calibration")
+
+FORMAT = 1  # bump when what a profile means changes: older cache entries are then ignored
+DRAFT_K = 4  # drafts per row of the drafter's long call (the short one drafts 1)
+CONTEXT_TOKENS = 16  # context of each timing row: a verify feeds its last token and drafts only
+KEY_PREFIX = "calibrate-"
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "amx_int8", "avx512_vnni")
+
+
+# ---- what the profile depends on
+def machine() -> dict:
+    """This host as far as the cost curves care: CPU model and the flags of its matmul kernels,
+    torch's threads, the GPU if any."""
+    cpu, flags = platform.processor() or platform.machine(), set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                name, _, value = line.partition(":")
+                if name.strip() == "model name":
+                    cpu = value.strip()
+                elif name.strip() == "flags":
+                    flags = set(value.split())
+                    break
+    except OSError:
+        pass
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return {
+        "cpu": cpu,
+        "cpu_flags": sorted(flags & set(CPU_FLAGS)),
+        "torch_threads": torch.get_num_threads(),
+        "gpu": gpu,
+        "gpus": torch.cuda.device_count() if gpu else 0,
+    }
+
+
+def versions() -> dict:
+    import transformers
+
+    try:
+        fly = md.version("fly-serve")
+    except md.PackageNotFoundError:
+        fly = "dev"
+    return {"torch": torch.__version__, "transformers": transformers.__version__, "fly-serve": fly, "format": FORMAT}
+
+
+def model_name(model) -> str | None:
+    """A model's name for the key: as given, or a loaded model's own name or path."""
+    if model is None or isinstance(model, str):
+        return model
+    return getattr(getattr(model, "config", None), "_name_or_path", None) or type(model).__name__
+
+
+def calibration_key(
+    target, drafter, *, dtype: str, drafter_precision: str, max_batch: int, k_max: int, **extra
+) -> dict:
+    """Everything a cost profile depends on. extra: the serving shape (tp_size, threads per
+    part, ...), whatever else the caller knows changes the curve."""
+    from .loading import resolve_precision
+
+    return {
+        "machine": machine(),
+        "target": model_name(target),
+        "drafter": model_name(drafter),
+        "dtype": resolve_precision(dtype),
+        "drafter_precision": drafter_precision,
+        "max_batch": int(max_batch),
+        "k_max": int(k_max),
+        "versions": versions(),
+        **({"extra": {k: extra[k] for k in sorted(extra)}} if extra else {}),
+    }
+
+
+def key_hash(key: dict) -> str:
+    return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
+
+
+def cache_path(key: dict) -> Path:
+    return cache_dir() / "cost-profiles" / f"{key_hash(key)}.json"
+
+
+def load_cached(key: dict) -> CostProfile | None:
+    """The cached profile of this key, None if there is none (or it cannot be read)."""
+    path = cache_path(key)
+    try:
+        entry = json.loads(path.read_text())
+        return (
+            CostProfile.from_dict(entry["profile"])
+            if entry.get("key") == json.loads(json.dumps(key, default=str))
+            else None
+        )
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def save_cached(key: dict, profile: CostProfile) -> Path:
+    """Write the entry atomically (several processes may calibrate at once; the last one wins)."""
+    path = cache_path(key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"key": key, "profile": profile.to_dict()}, indent=1, default=str))
+    os.replace(tmp, path)
+    return path
+
+
+# ---- the measurement
+def verify_points(k_max: int, max_batch: int) -> list[tuple[int, int]]:
+    """(rows, k) of each target point: tokens 1, 2, 4, ... on one row up to k_max + 1, then
+    2, 4, ... rows of k_max drafts up to max_batch, each end measured rather than extrapolated."""
+    one_row = sorted({min(2**i, k_max + 1) for i in range((k_max + 1).bit_length() + 1)})
+    rows = sorted({min(2**i, max_batch) for i in range(1, max(max_batch, 1).bit_length() + 1)} - {1})
+    return [(1, n - 1) for n in one_row] + [(b, k_max) for b in rows if b > 1]
+
+
+def timing_rows(n_rows: int, vocab: int, k: int, seed: int = 0) -> list[Row]:
+    """Dummy greedy rows of CONTEXT_TOKENS random ids (different per row), drafting k, without
+    MLA. entropy "topk": the target computes the gate's entropy too, as for `fly` rows."""
+    gen = torch.Generator().manual_seed(seed)
+    ctx = torch.randint(vocab, (max(n_rows, 1), CONTEXT_TOKENS), generator=gen).tolist()  # [B, T]
+    return [Row(f"{KEY_PREFIX}{b}", ctx[b], k, mla=False, entropy="topk") for b in range(n_rows)]
+
+
+def _random_drafts(rows: list[Row], k: int, vocab: int, gen: torch.Generator) -> Drafts:
+    return Drafts([torch.randint(vocab, (k,), generator=gen).tolist() for _ in rows], [None] * len(rows))
+
+
+def time_verify(scorer, rows: list[Row], k: int, reps: int, gen: torch.Generator) -> float:
+    """The fastest of `reps` verifications of these rows with k fresh random drafts each: the
+    machine's cost without interference (a uniformly slower host does not change the plan)."""
+    best = float("inf")
+    for _ in range(reps):
+        drafts = _random_drafts(rows, k, scorer.vocab_size, gen)
+        t0 = time.perf_counter()
+        scorer.verify(rows, drafts)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def time_draft(drafter, rows: list[Row], reps: int) -> tuple[float, float]:
+    """(seconds per batched forward, seconds per call beyond its forwards) for these rows:
+    drafting 1 and DRAFT_K tokens each, the difference is DRAFT_K - 1 forwards."""
+
+    def fastest(k: int) -> tuple[float, int]:
+        call = [Row(r.key, r.tokens, k, mla=False) for r in rows]
+        best, forwards = float("inf"), 1
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            forwards = drafter.propose(call).forwards or k
+            best = min(best, time.perf_counter() - t0)
+        return best, forwards
+
+    drafter.propose([Row(r.key, r.tokens, 1, mla=False) for r in rows])  # warm: prefill the rows
+    t_lo, f_lo = fastest(1)
+    t_hi, f_hi = fastest(DRAFT_K)
+    per_forward = max(t_hi - t_lo, 0.0) / max(f_hi - f_lo, 1)
+    if per_forward <= 0:  # noise swamped the difference: the plain average instead
+        per_forward = t_hi / max(f_hi, 1)
+    return per_forward, max(t_lo - f_lo * per_forward, 0.0)
+
+
+def measure_profile(scorer, drafter, *, k_max: int, max_batch: int, reps: int = 2, progress=print) -> CostProfile:
+    """Time the target (and the drafter, if any) through their protocols; a progress line per
+    point. The timing rows are released from both parts afterwards."""
+    started = time.perf_counter()
+    vocab = scorer.vocab_size
+    points = verify_points(k_max, max_batch)
+    rows = timing_rows(max(b for b, _ in points), vocab, 0)
+    gen = torch.Generator().manual_seed(0)
+    keys = [r.key for r in rows]
+    try:
+        scorer.verify(rows, Drafts.empty(len(rows)))  # prefill every timing row once (untimed)
+        scorer.verify(rows[:1], _random_drafts(rows[:1], 1, vocab, gen))  # first-call warm-up
+        tokens, seconds = [], []
+        for i, (b, k) in enumerate(points, 1):
+            t = time_verify(scorer, rows[:b], k, reps, gen)
+            tokens.append(b * (k + 1))
+            seconds.append(t)
+            progress(
+                f"calibrating k auto: target, {b * (k + 1)} tokens in a forward: {t * 1e3:.1f} ms ({i}/{len(points)})"
+            )
+        e, c, d, draft_rows, draft_seconds = 0.0, 0.0, 0.0, [], []
+        if drafter is not None:
+            per_round = []
+            for b in sorted({1, max_batch}):
+                per_forward, extra = time_draft(drafter, rows[:b], reps)
+                draft_rows.append(b)
+                draft_seconds.append(per_forward)
+                per_round.append(extra)
+                progress(f"calibrating k auto: drafter, {b} rows in a forward: {per_forward * 1e3:.1f} ms")
+            c, d = fit_per_forward(draft_rows, draft_seconds)
+            e = statistics.median(per_round)
+    finally:
+        for part in (scorer, drafter):
+            if part is not None:
+                part.release(keys)
+    took = time.perf_counter() - started
+    progress(f"calibrating k auto: done in {took:.1f} s")
+    return CostProfile(
+        tokens,
+        seconds,
+        e,
+        c,
+        d,
+        0.0,
+        "measured",
+        {
+            "draft_rows": draft_rows,
+            "draft_seconds": [float(f"{s:.6g}") for s in draft_seconds],
+            "took_s": round(took, 2),
+        },
+    )
+
+
+# ---- the engine's entry point
+def calibrate_engine(
+    engine, key: dict, *, reps: int = 2, refresh: bool = False, cache: bool = True, progress=print
+) -> CostProfile:
+    """Load this key's profile from the cache or measure it through the engine's parts (and cache
+    it); either way install it into engine.policy (frozen until the next call). refresh: measure
+    even if cached. Call it once the engine's parts are up (a serving layer: after its remote
+    replicas answer), before requests run. key: calibration_key(...)."""
+    profile = None if refresh or not cache else load_cached(key)
+    if profile is not None:
+        progress(f"k auto: cost profile from the cache ({cache_path(key)})")
+    else:
+        profile = measure_profile(
+            engine.scorer,
+            engine.drafters.get("model"),
+            k_max=int(key["k_max"]),
+            max_batch=int(key["max_batch"]),
+            reps=reps,
+            progress=progress,
+        )
+        if cache:
+            progress(f"k auto: cost profile cached in {save_cached(key, profile)}")
+    engine.policy.set_profile(profile)
+    return profile

@@ -1,0 +1,119 @@
+"""k "auto"'s cost profile measured where the engine runs, through the Scorer / Drafter protocols,
+cached per machine, models and versions (tiny models; no speed asserted)."""
+
+import json
+
+import pytest
+import torch
+
+from fly_serve import cost_calibration as cc
+from fly_serve.build import build_engine
+from fly_serve.params import Params
+from fly_serve.round_cost import CostProfile
+
+
+@pytest.fixture(autouse=True)
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLY_SERVE_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+@pytest.fixture(scope="module")
+def tiny_engine():
+    return build_engine("tiny:0", "tiny:1", max_batch=2, calibrate=False, progress=lambda _: None)
+
+
+def key(**over):
+    args = dict(dtype="fp32", drafter_precision="int8", max_batch=2, k_max=3) | over
+    return cc.calibration_key("tiny:0", "tiny:1", **args)
+
+
+def test_points_cover_one_row_up_to_k_max_then_whole_rows_up_to_max_batch():
+    assert cc.verify_points(15, 8) == [(1, 0), (1, 1), (1, 3), (1, 7), (1, 15), (2, 15), (4, 15), (8, 15)]
+    assert cc.verify_points(6, 3) == [(1, 0), (1, 1), (1, 3), (1, 6), (2, 6), (3, 6)]
+    assert cc.verify_points(3, 1) == [(1, 0), (1, 1), (1, 3)]
+
+
+def test_timed_verifies_feed_only_the_last_token_and_the_drafts(tiny_engine):
+    rows = cc.timing_rows(2, tiny_engine.scorer.vocab_size, 0)
+    assert [len(r.tokens) for r in rows] == [cc.CONTEXT_TOKENS] * 2 and rows[0].tokens != rows[1].tokens
+    runner = tiny_engine.scorer.runner
+    fed, feed = [], runner.feed
+
+    def recording_feed(*args, **kw):
+        out = feed(*args, **kw)
+        fed.append(out[1])
+        return out
+
+    runner.feed = recording_feed
+    try:
+        tiny_engine.scorer.verify(rows, cc.Drafts.empty(2))  # the prefill
+        seconds = cc.time_verify(tiny_engine.scorer, rows, 3, 2, torch.Generator())
+    finally:
+        del runner.feed
+        tiny_engine.scorer.release([r.key for r in rows])
+    assert seconds > 0
+    assert fed[-2:] == [[4, 4], [4, 4]]  # the timed calls: last token + 3 drafts per row
+
+
+def test_measure_profile_times_both_parts_and_releases_its_rows(tiny_engine):
+    lines = []
+    profile = cc.measure_profile(
+        tiny_engine.scorer, tiny_engine.drafters["model"], k_max=3, max_batch=2, reps=1, progress=lines.append
+    )
+    assert profile.verify_tokens == [1, 2, 4, 8] and all(s > 0 for s in profile.verify_seconds)
+    assert profile.draft_per_forward + profile.draft_per_row_forward > 0
+    assert profile.extra["draft_rows"] == [1, 2]
+    assert len(lines) == 4 + 2 + 1  # a line per target point, per drafter point, and the total
+    # No timing row is left in either KV cache.
+    for part in (tiny_engine.scorer, tiny_engine.drafters["model"]):
+        assert not [k for k in part.runner.cache.seq_of if k.startswith(cc.KEY_PREFIX)]
+    # Without a drafter only the target is timed.
+    alone = cc.measure_profile(tiny_engine.scorer, None, k_max=1, max_batch=1, reps=1, progress=lambda _: None)
+    assert alone.verify_tokens == [1, 2] and alone.draft_per_forward == 0
+
+
+def test_calibrate_engine_measures_once_then_reads_the_cache(tiny_engine, cache):
+    lines = []
+    first = cc.calibrate_engine(tiny_engine, key(), reps=1, progress=lines.append)
+    assert tiny_engine.policy.profile is first and any("cached in" in line for line in lines)
+    entry = json.loads(cc.cache_path(key()).read_text())
+    assert entry["key"]["machine"]["torch_threads"] == torch.get_num_threads()
+    lines.clear()
+    again = cc.calibrate_engine(tiny_engine, key(), progress=lines.append)
+    assert again.to_dict() == first.to_dict() and lines == [
+        f"k auto: cost profile from the cache ({cc.cache_path(key())})"
+    ]
+    assert cc.load_cached(key(max_batch=4)) is None  # another shape: another entry
+
+
+def test_the_key_names_machine_models_precision_shape_and_versions():
+    k = key(tp_size=2)
+    assert set(k) == {
+        "machine",
+        "target",
+        "drafter",
+        "dtype",
+        "drafter_precision",
+        "max_batch",
+        "k_max",
+        "versions",
+        "extra",
+    }
+    assert {"cpu", "cpu_flags", "torch_threads", "gpu"} <= set(k["machine"])
+    assert {"torch", "transformers", "fly-serve"} <= set(k["versions"])
+    hashes = {cc.key_hash(x) for x in (k, key(), key(dtype="bf16"), key(max_batch=8), key(drafter_precision="fp32"))}
+    assert len(hashes) == 5
+    assert cc.key_hash(key()) == cc.key_hash(key())
+
+
+def test_build_engine_calibrates_for_k_auto_and_keeps_an_explicit_profile(cache):
+    auto = Params(k="auto", k_max=3)
+    lines = []
+    engine = build_engine("tiny:0", "tiny:1", max_batch=2, defaults=auto, progress=lines.append)
+    assert engine.policy.profile.source == "measured" and any("calibrating" in line for line in lines)
+    given = CostProfile([1, 2], [0.1, 0.3], 0.0, 0.05, 0.0, source="mine")
+    pinned = build_engine("tiny:0", "tiny:1", max_batch=2, defaults=auto, speculation_profile=given, progress=print)
+    assert pinned.policy.profile is given
+    fixed = build_engine("tiny:0", "tiny:1", max_batch=2, progress=print)  # k 15: nothing to calibrate
+    assert fixed.policy.profile.source == "default shape"

@@ -1,0 +1,160 @@
+"""fly_load's mechanics without a live app: the tally, the one wait loop, the kill guard, the fault
+run's table, and soak.py's reading of the openai client's transport errors."""
+
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+
+import pytest
+
+from fly_load.client import Outcome, Tally, failures
+from fly_load.fault_run import table
+from fly_load.procs import alive, ancestors, kill_ours, replica_pids
+from fly_load.waits import until
+
+
+def test_tally_counts_each_kind_of_ending():
+    kinds = ["ok", "ok", "error", "dropped", "hung"]
+    assert asdict(Tally.of([Outcome(k, 0.0, 1.0) for k in kinds])) == dict(
+        sent=5, answered=2, errored=1, dropped=1, hung=1
+    )
+
+
+def test_failures_group_errors_without_their_request_ids():
+    def err(rid: str) -> Outcome:
+        body = {"error": {"type": "server_error", "code": "target_unavailable", "message": f"failed; request id {rid}"}}
+        return Outcome("error", 0.0, 1.0, body=body, status=503)
+
+    got = failures([err("a1"), err("b2"), Outcome("ok", 0.0, 1.0), Outcome("hung", 0.0, 1.0, "timeout")])
+    assert got == {"503 server_error/target_unavailable: failed; request id <id>": 2, "hung: timeout": 1}
+
+
+def test_until_returns_the_first_answer_and_gives_up_at_its_deadline():
+    calls = []
+
+    def third_time():
+        calls.append(1)
+        if len(calls) == 1:
+            raise ConnectionError("the app is restarting")  # counts as not yet
+        return "up" if len(calls) == 3 else None
+
+    assert until(third_time, timeout_s=5, poll_s=0.01) == "up" and len(calls) == 3
+    t0 = time.monotonic()
+    assert until(lambda: None, timeout_s=0.2, poll_s=0.05) is None
+    assert 0.2 <= time.monotonic() - t0 < 2
+    assert until(lambda: 0, timeout_s=5) == 0  # a falsy answer is still an answer
+
+
+def test_kill_ours_reaches_a_child_and_refuses_anything_else():
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert os.getpid() in ancestors(child.pid) and alive(child.pid)
+        kill_ours(child.pid)
+        child.wait(timeout=10)
+        assert not alive(child.pid)
+    finally:
+        child.kill()
+    with pytest.raises(PermissionError):
+        kill_ours(os.getppid())  # this process's parent: not ours
+    with pytest.raises(PermissionError):
+        kill_ours(os.getpid())
+    assert replica_pids(os.getpid(), "FlyDrafter") == []  # no Ray under this process
+
+
+def test_fault_run_table_has_a_row_per_fault_and_says_what_failed():
+    tally = dict(sent=3, answered=3, errored=0, dropped=0, hung=0)
+    summary = {
+        "drafter_kill": {
+            "in_flight": tally,
+            "recovery_s": 14.8,
+            "drafter_pid": "1 -> 2",
+            "later_requests": tally,
+            "later_drafted": [5, 6, 7],
+        },
+        "tp_rank_kill": {"error": "ScenarioError('expected TP ranks (tp_size > 1), found pids []')"},
+        "schemathesis": {
+            "seed": 7,
+            "cases_per_route": {"POST /v1/completions": 1000},
+            "statuses": {
+                "POST /v1/completions (positive)": {"200": 400},
+                "POST /v1/completions (negative)": {"400": 600},
+            },
+        },
+    }
+    rows = table(summary).splitlines()
+    assert rows[0].startswith("| fault |") and rows[1].startswith("|---|")
+    assert any("drafting again after 14.8 s" in r for r in rows)
+    assert any(r.startswith("| schemathesis | 1000 | 400 | 600 |") and "seed 7" in r and "5xx: 0" in r for r in rows)
+    assert any(r.startswith("| tp_rank_kill |") and "expected TP ranks" in r for r in rows)
+
+
+def test_soak_classifies_the_openai_clients_transport_errors():
+    """soak.py reads the openai client's transport errors by class name: httpx (openai 1.x-2.x)
+    and httpx2 (3.x) name them alike, and neither is this project's dependency by name."""
+    import importlib
+    import importlib.util
+
+    from fly_load import soak
+
+    transports = [importlib.import_module(m) for m in ("httpx", "httpx2") if importlib.util.find_spec(m)]
+    assert transports  # openai depends on one of them
+    for t in transports:
+        assert soak.transport_error(t.ReadTimeout("slow"), "TimeoutException")
+        assert soak.transport_error(t.ConnectError("refused"), "HTTPError")
+        assert not soak.transport_error(t.ConnectError("refused"), "TimeoutException")
+    assert not soak.transport_error(ValueError("x"), "HTTPError")
+
+
+def test_fuzz_draws_fresh_cases_and_records_every_server_error():
+    """fuzz.py against a small in-process FastAPI app (no Ray): a route that answers 500 for a
+    negative number is caught with the run's seed; a sound route has none; each run a new seed."""
+    import threading
+
+    import uvicorn
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse
+    from pydantic import BaseModel
+
+    from fly_load.fuzz import fuzz_app
+    from fly_serve.tp import free_port
+
+    class Body(BaseModel):
+        n: int
+        max_tokens: int = 1
+
+    app = FastAPI()
+
+    @app.post("/fragile")
+    def fragile(body: Body):
+        return JSONResponse({"error": "boom"}, status_code=500) if body.n < 0 else {"n": body.n}
+
+    @app.post("/sound")
+    def sound_route(body: Body):
+        return {"n": body.n, "max_tokens": body.max_tokens}
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        assert until(lambda: server.started or None, timeout_s=30, poll_s=0.05)
+        url = f"http://127.0.0.1:{port}"
+        first, second = fuzz_app(url, cases_per_route=40), fuzz_app(url, cases_per_route=40)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+    assert first.seed != second.seed
+    for run in (first, second):
+        assert set(run.declared) == {"/fragile", "/sound"}
+        assert [(r.route, r.mode) for r in run.routes] == [
+            (route, mode) for route in ("POST /fragile", "POST /sound") for mode in ("positive", "negative")
+        ]
+        assert list(run.server_errors) == ["POST /fragile (positive)"]  # negative bodies get 422 first
+        assert run.server_errors["POST /fragile (positive)"][0].startswith("500 ")
+        sound = [r for r in run.routes if r.route == "POST /sound"]
+        assert sum(r.cases for r in sound) >= 40 and set(sound[0].statuses) == {200}
+        assert not any(status >= 500 for status in sound[1].statuses) and 422 in sound[1].statuses
+        assert run.summary()["seed"] == run.seed and run.asked_per_route == 40
+        assert run.summary()["routes_short_of_cases"][0] == "POST /fragile"  # its positive half stopped at a 500
