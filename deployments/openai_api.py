@@ -11,7 +11,6 @@ import json
 import re
 import time
 import typing
-import uuid
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 from pydantic.json_schema import models_json_schema
@@ -39,7 +38,9 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class Common(Sampling):
+class RequestFields(Sampling):
+    """What both request bodies carry besides the prompt."""
+
     model: str | None = None
     n: int = 1
     stream: bool = False
@@ -55,7 +56,7 @@ class Common(Sampling):
         return {k: v for k, v in own.items() if v is not None} | fly
 
 
-class CompletionRequest(Common):
+class CompletionRequest(RequestFields):
     prompt: str | list[int] | list[str]
 
     def prompt_input(self):
@@ -71,7 +72,7 @@ class Message(BaseModel):
     content: str
 
 
-class ChatRequest(Common):
+class ChatRequest(RequestFields):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = None
 
@@ -149,12 +150,8 @@ def error_body(
     return {"error": err}
 
 
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
-class Shape:
-    """Builds response bodies of one request (completion or chat) as updates come in."""
+class ResponseBodies:
+    """Builds the response bodies of one request (completion or chat) as updates come in."""
 
     def __init__(self, chat: bool, rid: str, model: str):
         self.chat, self.rid, self.model, self.created = chat, rid, model, int(time.time())

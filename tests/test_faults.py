@@ -3,7 +3,7 @@ killed mid-generation, a TP rank killed mid-generation, SIGTERM to `fly-serve se
 in flight, and a schemathesis fuzz of the app's own OpenAPI schema.
 
 Only processes this module started are killed: pids come from the replicas themselves (`pid()`,
-`rank_pids()`) and are checked to descend from this test process (or its `fly-serve serve`).
+the target's `report()`) and are checked to descend from this test process (or its `fly-serve serve`).
 Every client call has a timeout; a call that reaches it counts as hung. Each test prints what it
 sent and how each request ended, and the time to recovery."""
 
@@ -169,10 +169,10 @@ def test_tp_rank_killed_mid_generation(url):
     from ray import serve
 
     target = handle("FlyTarget")
-    old_replica = target.pid.remote().result(timeout_s=30)
-    old_ranks = target.rank_pids.remote().result(timeout_s=30)
+    before = target.report.remote().result(timeout_s=30)
+    old_replica, old_ranks = before.pid, before.rank_pids
     assert len(old_ranks) == 2
-    assert target.rank_kv_capacities.remote().result(timeout_s=30) == [KV_BUDGET_TOKENS] * 2
+    assert before.rank_kv_capacities == [KV_BUDGET_TOKENS] * 2
     body = {"prompt": PROMPT, "max_tokens": LONG_TOKENS, "fly": {"mode": "ar"}}
     pool, futures = in_flight(url, body)
     wait_generating(url, len(futures))
@@ -191,9 +191,8 @@ def test_tp_rank_killed_mid_generation(url):
             recovered_s = probes[-1].ended - t_kill
             break
         time.sleep(0.5)
-    new_replica = ask(target.pid.remote(), 30)
-    new_ranks = ask(target.rank_pids.remote(), 30)
-    new_kv = ask(target.rank_kv_capacities.remote(), 30)
+    after = ask(target.report.remote(), 30)
+    new_replica, new_ranks, new_kv = (after.pid, after.rank_pids, after.rank_kv_capacities) if after else (None,) * 3
     report(
         "TP rank 1 SIGKILLed with 3 in flight (1 streaming)",
         in_flight=tally(outcomes),
@@ -233,6 +232,7 @@ def test_hung_rank_times_out_and_the_group_is_rebuilt(url):
 
     from deployments.placement import tp_bundles
     from deployments.target_replica import TargetDeployment, TPGroupBroken
+    from fly_serve.config import EngineConfig
     from fly_serve.contracts import Drafts, Row
 
     target = TargetDeployment.options(
@@ -240,13 +240,15 @@ def test_hung_rank_times_out_and_the_group_is_rebuilt(url):
         placement_group_bundles=tp_bundles(2, {"num_cpus": 0.1}, 0.2),
         placement_group_strategy="STRICT_PACK",
     )
-    app = target.bind("tiny:0", "fp32", 2, 2, None, {"num_cpus": 0.1}, round_timeout_s=HUNG_ROUND_TIMEOUT_S)
+    config = EngineConfig(target="tiny:0", drafter=None, dtype="fp32", max_batch=2)
+    app = target.bind(config, tp_size=2, worker_options={"num_cpus": 0.1}, rank_call_timeout_s=HUNG_ROUND_TIMEOUT_S)
     h = serve.run(app, name="hung", route_prefix=None)
     rows, drafts = [Row("hung-a", [5, 17, 42, 99], k=2, entropy="topk")], Drafts([[4, 5]], [None])
     stopped = None
     try:
         h.verify.remote(rows, drafts).result(timeout_s=60)
-        old_replica, old_ranks = h.pid.remote().result(timeout_s=30), h.rank_pids.remote().result(timeout_s=30)
+        before = h.report.remote().result(timeout_s=30)
+        old_replica, old_ranks = before.pid, before.rank_pids
         stopped = old_ranks[1]
         assert os.getpid() in ancestors(stopped)
         os.kill(stopped, signal.SIGSTOP)
@@ -256,11 +258,11 @@ def test_hung_rank_times_out_and_the_group_is_rebuilt(url):
         failed_s = time.monotonic() - t_stop
         recovered_s, new_replica = None, None
         while time.monotonic() - t_stop < RECOVERY_TIMEOUT_S and recovered_s is None:
-            new_replica = ask(h.pid.remote(), 10)
+            new_replica = getattr(ask(h.report.remote(), 10), "pid", None)
             if new_replica not in (None, old_replica) and ask(h.verify.remote(rows, drafts), 30) is not None:
                 recovered_s = time.monotonic() - t_stop
             time.sleep(0.5)
-        new_ranks = ask(h.rank_pids.remote(), 30)
+        new_ranks = getattr(ask(h.report.remote(), 30), "rank_pids", None)
     finally:
         if stopped is not None and alive(stopped):
             os.kill(stopped, signal.SIGCONT)  # the group kills it; this only matters if the test failed
