@@ -43,8 +43,7 @@ def test_a_part_that_fails_its_probe_makes_it_unhealthy_until_it_answers():
     up = threading.Event()
     up.set()
     prober = Prober(
-        [Part("target", lambda: Answer(lambda: True)), Part("drafter pool", lambda: Answer(up.is_set))],
-        retry_s=0.01,
+        [Part("target", lambda: Answer(lambda: True)), Part("drafter pool", lambda: Answer(up.is_set))], retry_s=0.01
     )
     assert until(prober.ready.is_set)
     up.clear()
@@ -53,4 +52,42 @@ def test_a_part_that_fails_its_probe_makes_it_unhealthy_until_it_answers():
     assert not prober.checking.is_set()  # the verdict is in: waiting requests get their 503
     up.set()
     assert until(lambda: prober.broken is None)
+    prober.stop()
+
+
+def test_a_poison_request_alone_fails_alone_and_the_next_one_is_answered():
+    """The engine loop with a prober over sound parts: a request that breaks every round it is in
+    (alone in its batch) fails with its error, the service stays ready, and the request after it
+    is answered."""
+    import queue
+
+    from deployments.engine_loop import EngineLoop
+    from fly_serve.build import build_engine
+
+    engine = build_engine("tiny:0", "tiny:1", max_model_len=256, progress=lambda _: None)
+    verify = engine.scorer.verify
+
+    def poisoned(rows, drafts):
+        if any(r.key.startswith("poison") for r in rows):
+            raise ValueError("this row breaks the target's forward")
+        return verify(rows, drafts)
+
+    engine.scorer.verify = poisoned
+    prober = Prober([Part("target", lambda: Answer(lambda: True))], retry_s=0.01)
+    loop = EngineLoop(engine, on_round_failed=prober.round_failed)
+    assert until(prober.ready.is_set)
+
+    def run(request_id: str):
+        updates = queue.SimpleQueue()
+        loop.submit("hello hello", {"mode": "ar", "max_tokens": 6}, request_id, updates.put).result(timeout=30)
+        while (u := updates.get(timeout=60)).finish_reason is None:
+            pass
+        return u
+
+    failed = run("poison-1")
+    assert failed.finish_reason == "error" and "breaks the target" in failed.error
+    assert until(lambda: not prober.checking.is_set()) and prober.broken is None and loop.problem() is None
+    answered = run("healthy-1")
+    assert answered.finish_reason == "length" and answered.error is None
+    loop.stop("test over")
     prober.stop()
