@@ -139,8 +139,10 @@ def deploy_config(config) -> None:
     through the dashboard's REST API, which this launcher leaves off. So this one call uses
     Serve's internal client, the one the CLI's `serve run <config>` uses; pyproject.toml bounds
     ray[serve] to the versions this was tested with."""
+    from ray.serve._private import api as serve_api
 
-    deploy_config(config)
+    client = serve_api.serve_start(http_options=config.http_options.model_dump(), proxy_location=config.proxy_location)
+    client.deploy_apps(config, _blocking=False)
 
 
 def main(argv: list[str] | None = None) -> int:
