@@ -23,13 +23,16 @@ import torch
 from ray import serve
 from ray.serve import metrics
 
+from fly_serve.build import load_drafter
+from fly_serve.config import EngineConfig
 from fly_serve.contracts import Drafts, Row
 from fly_serve.devices import device_for
-from fly_serve.drafters import ModelDrafter
-from fly_serve.loading import load_model, load_tokenizer, set_threads
+from fly_serve.loading import set_threads
+from fly_serve.row_history import RowHistory
 
 from .prometheus import inc
 from .replica_pool import BUSY, BusyPolicy, PinnedRouter
+from .threads import threads_from_ray
 
 PROBE_TIMEOUT_S = 20.0  # the lock free (no call stuck) and one token through the model
 # Serve's controller: a check every period; three failed checks in a row replace the replica.
@@ -55,25 +58,12 @@ HEALTH_CHECK_TIMEOUT_S = 30.0
     graceful_shutdown_timeout_s=30.0,  # a caller's drafting call in progress finishes first
 )
 class DrafterDeployment:
-    def __init__(
-        self,
-        drafter: str,
-        precision: str = "int8",
-        n_slots: int = 8,
-        threads: int | None = None,
-        probe_timeout_s: float = PROBE_TIMEOUT_S,
-        kv_budget_tokens: int | None = None,
-    ):
-        set_threads(threads)
+    def __init__(self, config: EngineConfig, *, threads: int | None = None, probe_timeout_s: float = PROBE_TIMEOUT_S):
+        set_threads(threads or threads_from_ray())
         self.probe_timeout_s = probe_timeout_s
-        # its logits are cut to the tokenizer's tokens, as the target's (the ingress checks that
-        # the two tokenizers agree)
-        self.drafter = ModelDrafter(
-            load_model(drafter, precision, device=device_for(ray.get_gpu_ids())),  # Ray's GPU, else the CPU
-            n_slots=n_slots,
-            vocab_size=len(load_tokenizer(drafter)),
-            kv_budget_tokens=kv_budget_tokens,
-        )
+        # the ingress checks that the drafter's tokenizer is the target's (build.assemble_engine)
+        self.drafter = load_drafter(config, device=device_for(ray.get_gpu_ids()))  # Ray's GPU, else the CPU
+        self.history = RowHistory()  # rows come with the tokens not sent before (row_history.py)
         # ModelDrafter is not thread-safe; Serve may run several calls of one replica at once.
         self.lock = threading.Lock()
         self.hits = metrics.Counter("fly_drafter_cache_hits", "Rows whose drafter KV cache was warm.")
@@ -91,7 +81,8 @@ class DrafterDeployment:
             hits, misses = self.drafter.hits, self.drafter.misses
             t0 = time.monotonic()
             try:
-                out = self.drafter.propose(rows)
+                out = self.drafter.propose(self.history.whole(rows))
+                out.compute_s = time.monotonic() - t0  # the caller's call time minus this: transport
             finally:
                 self.busy_s += time.monotonic() - t0
                 self.rows += len(rows)
@@ -105,6 +96,7 @@ class DrafterDeployment:
 
     def _release(self, keys: list[str]) -> None:
         with self.lock:
+            self.history.release(keys)
             self.drafter.release(keys)
 
     def cache_report(self) -> dict:
@@ -133,6 +125,11 @@ class DrafterDeployment:
     async def check_health(self) -> None:
         """Raises (Serve then replaces the replica) unless the model answers in time."""
         await asyncio.to_thread(self._probe)
+
+    async def healthy(self) -> bool:
+        """check_health for callers (the ingress's prober): True, or it raises."""
+        await self.check_health()
+        return True
 
     def _probe(self) -> None:
         if not self.lock.acquire(timeout=self.probe_timeout_s):

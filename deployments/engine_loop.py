@@ -37,6 +37,17 @@ class Update:
     error: str | None = None  # the request failed (a replica died ...): it is over. Internal detail, for the log
 
 
+# A round's timeline, in order: the loop's own time before it (inbox, admissions), the drafter call
+# and what the drafter computed of it, the target call and its compute, the decision, the hand-out
+# of text to the requests.
+TIMELINE = ("ingress_wait", "draft_call", "draft_compute", "verify_call", "verify_compute", "decide", "publish")
+
+
+def round_timeline(r: RoundResult) -> dict[str, float]:
+    seconds = (r.ingress_wait_s, r.draft_s, r.draft_compute_s, r.verify_s, r.verify_compute_s, r.decide_s, r.publish_s)
+    return dict(zip(TIMELINE, seconds))
+
+
 @dataclass
 class _Submit:
     prompt: str | list[int]
@@ -63,13 +74,13 @@ class EngineLoop:
         self,
         engine: Engine,
         metrics=None,
-        round_timeout_s: float = float("inf"),
+        stuck_round_s: float = float("inf"),
         on_round_failed: Callable[[str], None] | None = None,
     ):
         """on_round_failed(reason): told when a round fails (from the engine thread; must not block)."""
         self.engine, self.metrics = engine, metrics
         self.on_round_failed = on_round_failed
-        self.round_timeout_s = round_timeout_s
+        self.stuck_round_s = stuck_round_s
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.wake = threading.Event()
         self.sinks: dict[str, Callable[[Update], None]] = {}
@@ -79,6 +90,8 @@ class EngineLoop:
         self.finished: dict[str, int] = {}  # finish_reason -> requests (stop, length, abort, error)
         self.last_round = RoundResult()
         self.round_started: float | None = None  # time.monotonic() while a round runs
+        self.ready_at = time.monotonic()  # when the loop last woke or ended a round (ingress wait starts)
+        self.timeline = {phase: 0.0 for phase in TIMELINE}  # seconds by phase, all rounds since start
         self.stop_reason: str | None = None  # set by stop(): the loop ends its requests and exits
         self.thread = threading.Thread(target=self._run, name="fly-engine-loop", daemon=True)
         self.thread.start()
@@ -102,12 +115,12 @@ class EngineLoop:
 
     def problem(self) -> str | None:
         """Why this loop cannot serve (None: it can): its thread has ended, or a round has run
-        longer than round_timeout_s (a hang that the remote calls' own timeouts did not catch)."""
+        longer than stuck_round_s (a hang that the remote calls' own timeouts did not catch)."""
         if not self.thread.is_alive():
             return "the engine loop has stopped"
         started = self.round_started
-        if started is not None and time.monotonic() - started > self.round_timeout_s:
-            return f"a round has run for over {self.round_timeout_s:g} s"
+        if started is not None and time.monotonic() - started > self.stuck_round_s:
+            return f"a round has run for over {self.stuck_round_s:g} s"
         return None
 
     def snapshot(self) -> dict:
@@ -118,11 +131,14 @@ class EngineLoop:
             "running": len(self.engine.running),
             "waiting": len(self.engine.waiting),
             "finished": dict(self.finished),
+            # mean seconds per round by phase; call minus compute is transport
+            "timeline": {phase: s / max(self.rounds, 1) for phase, s in self.timeline.items()},
             "last_round": {
                 "batch_size": r.batch_size,
                 "draft_s": r.draft_s,
                 "verify_s": r.verify_s,
                 "decide_s": r.decide_s,
+                "timeline": round_timeline(r),
                 "drafted": r.drafted,
                 "accepted": r.accepted,
                 "loosely_accepted": r.loosely_accepted,
@@ -150,24 +166,37 @@ class EngineLoop:
         if not self.engine.has_work():
             self.wake.wait()
             self.wake.clear()
+            self.ready_at = time.monotonic()
             return
         self.round_started = time.monotonic()
+        ingress_wait_s = self.round_started - self.ready_at
         try:
             result = self.engine.step()
         except Exception as e:  # the engine retries and isolates itself; this is what is left
             log.exception("round failed")
             reason = f"{type(e).__name__}: {e}"
+            self._round_failed(reason)
             self._fail_running(reason)
-            if self.on_round_failed is not None:
-                self.on_round_failed(reason)
             return
         finally:
             self.round_started = None
-        if result.failed and len(result.failed) == len(result.advanced) and self.on_round_failed is not None:
-            # every row failed, even after the engine's retry and bisection: a part is down
-            self.on_round_failed(result.failed[0].error or "the round failed")
-        self._count_round(result)
+        if result.failed:
+            # Rows that failed even after the engine's retry and bisection may have failed for
+            # their own reasons (a poison request) or because a part is down: the listener finds
+            # out which (health.Prober), told before the failed requests are answered.
+            self._round_failed(result.failed[0].error or "the round failed")
+        t0 = time.monotonic()
         self._publish(result.advanced)
+        self.ready_at = time.monotonic()
+        result.ingress_wait_s, result.publish_s = ingress_wait_s, self.ready_at - t0
+        self._count_round(result)
+
+    def _round_failed(self, reason: str) -> None:
+        if self.on_round_failed is not None:
+            try:
+                self.on_round_failed(reason)
+            except Exception:
+                log.exception("on_round_failed")
 
     def _drain(self) -> None:
         while True:
@@ -210,6 +239,8 @@ class EngineLoop:
         self.rounds += 1
         self.last_round = result
         self.largest_batch = max(self.largest_batch, result.batch_size)
+        for phase, seconds in round_timeline(result).items():
+            self.timeline[phase] += seconds
         for req in result.advanced:
             self.max_batch_seen[req.id] = max(self.max_batch_seen.get(req.id, 0), result.batch_size)
         if self.metrics:
@@ -231,8 +262,6 @@ class EngineLoop:
                 self.finished[req.finish_reason] = self.finished.get(req.finish_reason, 0) + 1
                 if self.metrics:
                     self.metrics.done(req.finish_reason)
-                    if req.finish_reason == "error":  # a failed round (or a stop) failed this request
-                        self.metrics.failure("error")
             try:
                 sink(update)
             except Exception:  # the handler's event loop is gone (shutdown): nobody to tell

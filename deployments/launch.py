@@ -97,32 +97,21 @@ def wait_ready(url: str, stop: threading.Event, timeout_s: float = 1800) -> bool
     return False
 
 
+def stop_admitting(app_names: list[str]) -> None:
+    """Each ingress stops admitting: from then on it answers new requests 503 and serves the
+    ones it has to their last byte."""
+    from ray import serve
+
+    for name in app_names:
+        serve.get_app_handle(name).drain.remote().result(timeout_s=10)
+
+
 def in_flight(app_names: list[str]) -> int | None:
-    """Requests in flight. Asking an ingress (`drain`) also makes it stop admitting: from then on
-    it answers new requests 503 and serves the ones it has to their last byte."""
+    """Requests in flight at every ingress (None: one could not be asked; ask again)."""
     from ray import serve
 
     try:
-        return sum(serve.get_app_handle(name).drain.remote().result(timeout_s=10) for name in app_names)
-    except Exception:  # an ingress without `drain`: it admits on, but what it serves is counted
-        return ongoing_at_replicas()
-
-
-def ongoing_at_replicas() -> int | None:
-    """Requests in flight at all Serve replicas (HTTP requests at an ingress, round calls at the
-    others), as each replica counts them for the autoscaler; None if they could not be asked."""
-    import ray
-    from ray.serve._private.common import REPLICA_ID_FULL_ID_STR_PREFIX
-    from ray.serve._private.constants import SERVE_NAMESPACE
-
-    try:
-        names = [
-            a["name"]
-            for a in ray.util.list_named_actors(all_namespaces=True)
-            if a["namespace"] == SERVE_NAMESPACE and a["name"].startswith(REPLICA_ID_FULL_ID_STR_PREFIX)
-        ]
-        refs = [ray.get_actor(n, namespace=SERVE_NAMESPACE).get_num_ongoing_requests.remote() for n in names]
-        return sum(ray.get(refs, timeout=10))
+        return sum(serve.get_app_handle(name).in_flight.remote().result(timeout_s=10) for name in app_names)
     except Exception:  # a replica going away mid-count: count again at the next poll
         return None
 
@@ -131,6 +120,10 @@ def drain(app_names: list[str], grace_s: float, hurry: threading.Event) -> int |
     """Stop admitting, then wait until nothing is in flight (at most grace_s, or until `hurry`);
     returns what is still in flight (None: unknown)."""
     deadline = time.monotonic() + grace_s
+    try:
+        stop_admitting(app_names)
+    except Exception as e:  # an ingress that cannot be told still has its requests counted
+        print(f"fly-serve: could not stop admitting ({type(e).__name__})", file=sys.stderr, flush=True)
     left = in_flight(app_names)
     while left != 0 and time.monotonic() < deadline and not hurry.is_set():
         hurry.wait(POLL_S)
@@ -138,6 +131,18 @@ def drain(app_names: list[str], grace_s: float, hurry: threading.Event) -> int |
     if left == 0:
         hurry.wait(SETTLE_S)
     return left
+
+
+def deploy_config(config) -> None:
+    """Deploys a Serve config as `serve deploy` does. Ray Serve's public API deploys
+    Applications (`serve.run`), not a config with per-deployment overrides; the CLI does that
+    through the dashboard's REST API, which this launcher leaves off. So this one call uses
+    Serve's internal client, the one the CLI's `serve run <config>` uses; pyproject.toml bounds
+    ray[serve] to the versions this was tested with."""
+    from ray.serve._private import api as serve_api
+
+    client = serve_api.serve_start(http_options=config.http_options.model_dump(), proxy_location=config.proxy_location)
+    client.deploy_apps(config, _blocking=False)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -148,7 +153,6 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     import ray
     from ray import serve
-    from ray.serve._private import api as serve_api
 
     config = load_config(args.config, args.host, args.port, args.tiny)
     grace_s = config_grace_s(config) if args.grace_s is None else args.grace_s
@@ -160,8 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         _node_ip_address="127.0.0.1",
     )
     stop.install()  # ray.init replaces the SIGTERM handler with an immediate exit
-    client = serve_api.serve_start(http_options=config.http_options.model_dump(), proxy_location=config.proxy_location)
-    client.deploy_apps(config, _blocking=False)
+    deploy_config(config)
     url = f"http://{args.host}:{args.port}"
     print(f"fly-serve: deploying {args.config} ...", flush=True)
     status = 0

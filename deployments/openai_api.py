@@ -14,7 +14,6 @@ import json
 import re
 import time
 import typing
-import uuid
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 from pydantic.json_schema import models_json_schema
@@ -66,7 +65,9 @@ class NotApplied(BaseModel):
             raise ParamError("best_of", "only best_of=1 is supported")
 
 
-class Common(Sampling, NotApplied):
+class RequestFields(Sampling, NotApplied):
+    """What both request bodies carry besides the prompt."""
+
     model: str | None = None
     n: int = 1
     stream: bool = False
@@ -89,7 +90,7 @@ class Common(Sampling, NotApplied):
         return param
 
 
-class CompletionRequest(Common):
+class CompletionRequest(RequestFields):
     prompt: str | list[int] | list[str]
     logprobs: int | None = Field(None, ge=0, le=5)
 
@@ -107,7 +108,7 @@ class Message(BaseModel):
     content: str
 
 
-class ChatRequest(Common):
+class ChatRequest(RequestFields):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
@@ -210,12 +211,8 @@ def error_body(
     return {"error": err}
 
 
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
-class Shape:
-    """Builds response bodies of one request (completion or chat) as updates come in."""
+class ResponseBodies:
+    """Builds the response bodies of one request (completion or chat) as updates come in."""
 
     def __init__(self, chat: bool, rid: str, model: str):
         self.chat, self.rid, self.model, self.created = chat, rid, model, int(time.time())

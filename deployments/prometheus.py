@@ -7,6 +7,8 @@ from ray.serve import metrics
 
 from fly_serve.contracts import RoundResult
 
+from .engine_loop import round_timeline
+
 SECONDS = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10]
 BATCH = [1, 2, 4, 8, 16, 32, 64, 128]
 # vLLM's buckets, stretched at the top: a first token on a CPU can wait behind whole prefills
@@ -40,7 +42,10 @@ class ServingMetrics:
             "fly_spec_decode_mean_acceptance_length", "Tokens committed per sequence per round since start (tau)."
         )
         self.phase = metrics.Histogram(
-            "fly_round_phase_seconds", "Round time by phase.", boundaries=SECONDS, tag_keys=("phase",)
+            "fly_round_phase_seconds",
+            "Round time by phase (engine_loop.TIMELINE); a call minus its compute is transport.",
+            boundaries=SECONDS,
+            tag_keys=("phase",),
         )
         self.batch = metrics.Histogram("fly_batch_size", "Sequences per round.", boundaries=BATCH)
         self.waiting = metrics.Gauge("fly_num_requests_waiting", "Requests admitted, waiting for a place in the batch.")
@@ -70,7 +75,7 @@ class ServingMetrics:
         self.seq_rounds += r.batch_size
         self.total_emitted += r.emitted
         self.mean_len.set(self.total_emitted / self.seq_rounds)
-        for phase, seconds in (("draft", r.draft_s), ("verify", r.verify_s), ("decide", r.decide_s)):
+        for phase, seconds in round_timeline(r).items():
             self.phase.observe(seconds, tags={"phase": phase})
         self.batch.observe(r.batch_size)
 

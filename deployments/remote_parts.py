@@ -1,5 +1,5 @@
 """The engine's parts as calls to deployments: RemoteScorer satisfies contracts.Scorer,
-RemoteDrafter and RemoteLookup contracts.Drafter, so the ingress's Engine runs its rounds
+RemoteDrafter contracts.Drafter, so the ingress's Engine runs its rounds
 unchanged while drafting and verification run in their own replicas. Called from the engine
 thread (not an event loop), so the blocking `.result()` is fine there.
 
@@ -14,12 +14,13 @@ import logging
 import time
 
 from fly_serve.contracts import Drafts, Row, Verdict
+from fly_serve.row_history import RowSender, rows_unknown
 
+from .app_args import DEFAULT_CALL_TIMEOUT_S
 from .replica_pool import group_tag, split
 
 log = logging.getLogger("fly_serve.remote_parts")
 
-DEFAULT_TIMEOUT_S = 120.0
 RELEASE_TIMEOUT_S = 5.0  # at most; the engine thread waits for releases between rounds
 
 
@@ -51,9 +52,10 @@ def release_all(responses: list, timeout_s: float, what: str) -> None:
 
 
 class RemoteScorer:
-    def __init__(self, handle, vocab_size: int, timeout_s: float = DEFAULT_TIMEOUT_S):
+    def __init__(self, handle, vocab_size: int, timeout_s: float = DEFAULT_CALL_TIMEOUT_S):
         self.handle, self.vocab_size, self.timeout_s = handle, vocab_size, timeout_s
         self._kv_capacity: int | None = None
+        self.rows = RowSender()  # each row's tokens go once (every TP rank keeps its history)
 
     @property
     def kv_capacity_tokens(self) -> int | None:
@@ -66,9 +68,19 @@ class RemoteScorer:
         return self._kv_capacity
 
     def verify(self, rows: list[Row], drafts: Drafts) -> Verdict:
-        return wait(self.handle.verify.remote(rows, drafts), self.timeout_s, "target.verify")
+        try:
+            verdict = wait(self.handle.verify.remote(self.rows.compact(rows), drafts), self.timeout_s, "target.verify")
+        except Exception as e:
+            self.rows.forget([r.key for r in rows])
+            if not rows_unknown(e):
+                raise
+            # a new or restarted replica: the rows whole, once
+            verdict = wait(self.handle.verify.remote(rows, drafts), self.timeout_s, "target.verify")
+        self.rows.sent(rows)
+        return verdict
 
     def release(self, keys: list[str]) -> None:
+        self.rows.forget(keys)
         release_all([self.handle.release.remote(keys)], min(self.timeout_s, RELEASE_TIMEOUT_S), "target")
 
 
@@ -80,9 +92,13 @@ class RemoteDrafter:
 
     `live` returns the number of live replicas (replica_pool.LiveReplicas); without it, one group."""
 
-    def __init__(self, handle, max_groups: int = 1, timeout_s: float = DEFAULT_TIMEOUT_S, live=None):
+    def __init__(self, handle, max_groups: int = 1, timeout_s: float = DEFAULT_CALL_TIMEOUT_S, live=None):
         self.handle, self.max_groups, self.timeout_s = handle, max_groups, timeout_s
         self.live = live or (lambda: 1)
+        # Each row's tokens go once. A row that moves to another replica (the pool changed) is
+        # refused there as unknown and sent whole: tokens only grow, so any replica's history of
+        # a row is a prefix of it.
+        self.rows = RowSender()
 
     def _groups(self) -> int:
         return max(1, min(self.max_groups, self.live()))
@@ -91,33 +107,45 @@ class RemoteDrafter:
         return self.handle.options(multiplexed_model_id=group_tag(group))
 
     def propose(self, rows: list[Row]) -> Drafts:
+        try:
+            out = self._propose(rows)
+        except Exception:
+            self.rows.forget([r.key for r in rows])
+            raise
+        self.rows.sent(rows)
+        return out
+
+    def _propose(self, rows: list[Row]) -> Drafts:
         groups = split([r.key for r in rows], self._groups())
-        calls = {g: self._for(g).propose.remote([rows[i] for i in idx]) for g, idx in groups.items()}
+        compact = self.rows.compact(rows)
+        calls = {g: self._for(g).propose.remote([compact[i] for i in idx]) for g, idx in groups.items()}
         deadline = time.monotonic() + self.timeout_s
         out = Drafts.empty(len(rows))
         for g, idx in groups.items():
-            got = wait(calls[g], deadline - time.monotonic(), "drafter.propose")
+            try:
+                got = wait(calls[g], deadline - time.monotonic(), "drafter.propose")
+            except Exception as e:
+                if not rows_unknown(e):
+                    raise
+                whole = self._for(g).propose.remote([rows[i] for i in idx])  # a replica new to these rows
+                got = wait(whole, deadline - time.monotonic(), "drafter.propose")
             out.forwards = max(out.forwards, got.forwards)  # the groups draft concurrently
+            out.compute_s = max(out.compute_s or 0.0, got.compute_s or 0.0)
             for j, i in enumerate(idx):
                 out.tokens[i], out.q[i] = got.tokens[j], got.q[j]
+            if got.row_forwards is not None:  # k auto's per-row cost (MLA drafts some rows for free)
+                out.row_forwards = out.row_forwards or [0] * len(rows)
+                for j, i in enumerate(idx):
+                    out.row_forwards[i] = got.row_forwards[j]
         return out
 
     def release(self, keys: list[str]) -> None:
         # The pool may have changed since the rows were drafted: a release that misses leaves
         # the slot to the replica's LRU.
+        self.rows.forget(keys)
         groups = split(keys, self._groups())
         calls = [self._for(g).release.remote([keys[i] for i in idx]) for g, idx in groups.items()]
         release_all(calls, min(self.timeout_s, RELEASE_TIMEOUT_S), "drafter")
 
-
-class RemoteLookup:
-    """Prompt lookup through the lookup deployment (app built with pld="deployment")."""
-
-    def __init__(self, handle, timeout_s: float = DEFAULT_TIMEOUT_S):
-        self.handle, self.timeout_s = handle, timeout_s
-
-    def propose(self, rows: list[Row]) -> Drafts:
-        return wait(self.handle.propose.remote(rows), self.timeout_s, "lookup.propose")
-
-    def release(self, keys: list[str]) -> None:
-        pass  # prompt lookup keeps no per-sequence state
+    def share_sources(self, sources: dict) -> None:
+        pass  # the engine's sources live in this process; a drafter replica keeps its own prompt lookup

@@ -1,10 +1,12 @@
-"""Target deployment: one replica = one tensor-parallel group of `tp_size` workers.
+"""Target deployment: one replica = one target, behind one interface (`TargetShards`) with two
+implementations: `LocalTarget` (tp_size 1: the scorer in the replica's own process, no actor
+hop) and `RayTPTarget` (a tensor-parallel group of `tp_size` rank actors).
 
-The replica's placement group has one bundle per worker (STRICT_PACK: one node, so the group
-talks over local gloo / NCCL). The replica itself sits in bundle 0 and starts a Ray actor per
-rank in bundle `rank`; each loads its shard, joins the group and builds a ModelScorer. A verify()
-call goes to all ranks at once (they all-reduce inside each layer, in lockstep) and rank 0's
-result comes back. tp_size=1 runs the scorer inside the replica, with no actor hop.
+RayTPTarget: the replica's placement group has one bundle per rank (STRICT_PACK: one node, so the
+group talks over local gloo / NCCL). The replica itself sits in bundle 0 and starts a Ray actor
+per rank in bundle `rank`; each loads its shard, joins the group and builds a ModelScorer. A
+verify() goes to all ranks at once (they all-reduce inside each layer, in lockstep) and rank 0's
+result comes back.
 
 Failure: a TP group works only whole, so it is rebuilt only whole. Every call on the ranks has a
 timeout; a rank that dies, hangs past the timeout or leaves its peers inside a collective breaks
@@ -18,9 +20,10 @@ import asyncio
 import contextlib
 import logging
 import os
-import socket
 import threading
 import time
+from dataclasses import dataclass
+from typing import Protocol
 
 import ray
 from ray import serve
@@ -29,18 +32,19 @@ from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from fly_serve import tp
+from fly_serve.build import load_scorer
+from fly_serve.config import EngineConfig
 from fly_serve.contracts import Drafts, Row, Verdict
 from fly_serve.devices import device_for
-from fly_serve.loading import load_model, load_tokenizer, set_threads
-from fly_serve.model_scorer import ModelScorer
+from fly_serve.loading import set_threads
+from fly_serve.row_history import RowHistory
 
+from .app_args import DEFAULT_RANK_CALL_TIMEOUT_S, DEFAULT_RANK_PING_TIMEOUT_S, DEFAULT_TP_STARTUP_TIMEOUT_S
 from .replica_pool import PinnedRouter
+from .threads import threads_from_ray
 
 log = logging.getLogger("ray.serve")
 
-ROUND_TIMEOUT_S = 60.0  # one verify or release on every rank
-STARTUP_TIMEOUT_S = 600.0  # every rank started, joined the group and loaded its shard
-PING_TIMEOUT_S = 10.0  # a rank answers a ping (on its own thread, so not behind a round)
 # Serve's controller: a check every period; three failed checks in a row replace the replica (a
 # ping is cheap, so a broken group is noticed within seconds).
 HEALTH_CHECK_PERIOD_S = 2.0
@@ -51,31 +55,61 @@ class TPGroupBroken(RuntimeError):
     """The replica's TP group lost a rank; it serves nothing until Serve replaces the replica."""
 
 
-def build_scorer(
-    name: str,
-    dtype: str,
-    n_slots: int,
-    rank: int = 0,
-    world: int = 1,
-    addr: str = "127.0.0.1",
-    port: int = 0,
-    threads: int | None = None,
-    group_timeout_s: float = STARTUP_TIMEOUT_S,
-    kv_budget_tokens: int | None = None,
-) -> ModelScorer:
-    """One rank's scorer. kv_budget_tokens is a token count, the same on every rank, so that the
-    ranks take the same block decisions (a byte budget from each rank's free memory could differ)."""
-    set_threads(threads)
-    device = device_for(ray.get_gpu_ids())  # the GPU Ray assigned this rank, else the CPU
-    group = tp.init_group(rank, world, addr, port, timeout_s=group_timeout_s, device=device) if world > 1 else None
-    return ModelScorer(
-        load_model(name, dtype, rank, world, device=device),
-        n_slots=n_slots,
-        tp_group=group,
-        vocab_size=len(load_tokenizer(name)),
-        kv_budget_tokens=kv_budget_tokens,
-        sample=rank == 0,  # only rank 0's verdict is read (_on_ranks(...)[0])
-    )
+@dataclass(frozen=True)
+class TargetReport:
+    """What a target replica is, for operators and tests."""
+
+    pid: int  # the replica's process
+    rank_pids: list[int]  # each rank's process (the replica's own for tp_size 1)
+    rank_kv_capacities: list[int]  # tokens each rank's KV cache holds (they must agree)
+    rows_verified: int  # rows verified since start (which unit talks to this replica)
+
+    @property
+    def tp_size(self) -> int:
+        return len(self.rank_pids)
+
+
+class TargetShards(Protocol):
+    """The target as the replica drives it; calls come one at a time (the replica's lock)."""
+
+    def verify(self, rows: list[Row], drafts: Drafts) -> Verdict: ...
+
+    def release(self, keys: list[str]) -> None: ...
+
+    def check(self) -> None:
+        """Raises unless every shard answers now."""
+
+    def kv_capacities(self) -> list[int]: ...
+
+    def pids(self) -> list[int]: ...
+
+    def close(self) -> None: ...
+
+
+class LocalTarget:
+    def __init__(self, config: EngineConfig, threads: int | None):
+        set_threads(threads)
+        self.scorer = load_scorer(config, device=device_for(ray.get_gpu_ids()))  # Ray's GPU, else the CPU
+        self.history = RowHistory()  # rows come with the tokens not sent before (row_history.py)
+
+    def verify(self, rows: list[Row], drafts: Drafts) -> Verdict:
+        return self.scorer.verify(self.history.whole(rows), drafts)
+
+    def release(self, keys: list[str]) -> None:
+        self.history.release(keys)
+        self.scorer.release(keys)
+
+    def check(self) -> None:
+        pass  # the scorer lives in this process: it answers if the replica does
+
+    def kv_capacities(self) -> list[int]:
+        return [self.scorer.kv_capacity_tokens]
+
+    def pids(self) -> list[int]:
+        return [os.getpid()]
+
+    def close(self) -> None:
+        pass
 
 
 # max_restarts=0: a restarted rank could not rejoin its group (the others hold the old one).
@@ -85,21 +119,28 @@ def build_scorer(
 class TPWorker:
     """One rank of a target replica's tensor-parallel group."""
 
-    def __init__(self, *args, **kwargs):
-        self.scorer = build_scorer(*args, **kwargs)
+    def __init__(self, config: EngineConfig, rank: int, world: int, addr: str, port: int, threads, timeout_s: float):
+        set_threads(threads)
+        device = device_for(ray.get_gpu_ids())  # the GPU Ray assigned this rank, else the CPU
+        group = tp.init_group(rank, world, addr, port, timeout_s=timeout_s, device=device)
+        self.scorer = load_scorer(config, rank, world, tp_group=group, device=device)
+        # Every rank gets the same calls, so every rank holds the same histories, and a row
+        # unknown to one is unknown to all: the group stays in step (RowsUnknown on every rank).
+        self.history = RowHistory()
 
     def verify(self, rows: list[Row], drafts: Drafts) -> Verdict:
-        return self.scorer.verify(rows, drafts)
+        return self.scorer.verify(self.history.whole(rows), drafts)
 
     def release(self, keys: list[str]) -> None:
+        self.history.release(keys)
         self.scorer.release(keys)
 
+    # On the health thread: a ping must not queue behind a verify (a long prefill on CPU took past
+    # the ping timeout, and the group was rebuilt again and again under load).
     @ray.method(concurrency_group="health")
     def kv_capacity(self) -> int:
         return self.scorer.kv_capacity_tokens
 
-    # On the health thread: a ping must not queue behind a verify (a long prefill on CPU took past
-    # the ping timeout, and the group was rebuilt again and again under load).
     @ray.method(concurrency_group="health")
     def ping(self) -> bool:
         return True
@@ -107,37 +148,6 @@ class TPWorker:
     @ray.method(concurrency_group="health")
     def pid(self) -> int:
         return os.getpid()
-
-
-def free_port(addr: str) -> int:
-    with socket.socket() as s:
-        s.bind((addr, 0))
-        return s.getsockname()[1]
-
-
-def start_workers(
-    name: str,
-    dtype: str,
-    n_slots: int,
-    tp_size: int,
-    threads: int | None,
-    worker_options: dict,
-    group_timeout_s: float,
-    kv_budget_tokens: int | None = None,
-) -> list:
-    """tp_size actors, rank r in bundle r of this replica's placement group, on a fresh port."""
-    pg = get_current_placement_group()
-    addr = ray.util.get_node_ip_address()
-    port = free_port(addr)
-    workers = []
-    for rank in range(tp_size):
-        strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank) if pg else None
-        workers.append(
-            TPWorker.options(scheduling_strategy=strategy, **worker_options).remote(
-                name, dtype, n_slots, rank, tp_size, addr, port, threads, group_timeout_s, kv_budget_tokens
-            )
-        )
-    return workers
 
 
 def kill_all(workers: list) -> None:
@@ -148,6 +158,103 @@ def kill_all(workers: list) -> None:
             pass
 
 
+class RayTPTarget:
+    def __init__(
+        self,
+        config: EngineConfig,
+        tp_size: int,
+        threads: int | None,
+        worker_options: dict,
+        rank_call_timeout_s: float,
+        ping_timeout_s: float,
+        startup_timeout_s: float,
+    ):
+        self.call_timeout_s, self.ping_timeout_s = rank_call_timeout_s, ping_timeout_s
+        self.broken: str | None = None  # why the group is unusable
+        self.workers = self._start(config, tp_size, threads, worker_options, startup_timeout_s)
+        try:  # every rank up (a no-op call queues behind its constructor)
+            ray.get([w.release.remote([]) for w in self.workers], timeout=startup_timeout_s)
+        except Exception as e:
+            kill_all(self.workers)  # never leave half a group holding the bundles
+            raise TPGroupBroken(f"TP group of {tp_size} did not start within {startup_timeout_s} s: {e}") from e
+
+    @staticmethod
+    def _start(config, tp_size, threads, worker_options, startup_timeout_s) -> list:
+        """tp_size actors, rank r in bundle r of this replica's placement group, on a fresh port."""
+        pg = get_current_placement_group()
+        addr = ray.util.get_node_ip_address()
+        port = tp.free_port(addr)
+        workers = []
+        for rank in range(tp_size):
+            strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank) if pg else None
+            actor = TPWorker.options(scheduling_strategy=strategy, **worker_options)
+            workers.append(actor.remote(config, rank, tp_size, addr, port, threads, startup_timeout_s))
+        return workers
+
+    def verify(self, rows: list[Row], drafts: Drafts) -> Verdict:
+        return self._on_every_rank("verify", rows, drafts)[0]
+
+    def release(self, keys: list[str]) -> None:
+        self._on_every_rank("release", keys)
+
+    def check(self) -> None:
+        self._break_unless_every_rank_pings()
+
+    def kv_capacities(self) -> list[int]:
+        return self._ask_every_rank("kv_capacity")
+
+    def pids(self) -> list[int]:
+        return self._ask_every_rank("pid")
+
+    def close(self) -> None:
+        kill_all(self.workers)
+
+    def _ask_every_rank(self, method: str) -> list:
+        """A health-thread query on every rank (never behind a round)."""
+        return ray.get([getattr(w, method).remote() for w in self.workers], timeout=self.ping_timeout_s)
+
+    def _on_every_rank(self, method: str, *args) -> list:
+        """`method` on every rank at once; any failure that may leave the ranks out of step
+        breaks the group (a later call would pair one rank's collective with another's)."""
+        if self.broken:
+            raise TPGroupBroken(f"TP group broken ({self.broken}); the replica is being replaced")
+        refs = [getattr(w, method).remote(*args) for w in self.workers]
+        try:
+            return ray.get(refs, timeout=self.call_timeout_s)
+        except GetTimeoutError as e:
+            raise self._break(f"{method} did not finish on every rank within {self.call_timeout_s} s") from e
+        except RayActorError as e:
+            raise self._break(f"a rank died during {method}: {type(e).__name__}") from e
+        except RayTaskError as e:
+            # The same error on every rank (a bad row) leaves the group in step; a rank still
+            # waiting, or a dead one, does not.
+            _, pending = ray.wait(refs, num_returns=len(refs), timeout=self.ping_timeout_s)
+            if pending:
+                raise self._break(f"{method} failed on some ranks only") from e
+            self._break_unless_every_rank_pings()
+            raise
+
+    def _break_unless_every_rank_pings(self) -> None:
+        """Raises TPGroupBroken (and breaks the group) unless every rank answers a ping in time."""
+        if self.broken:
+            raise TPGroupBroken(self.broken)
+        try:
+            ray.get([w.ping.remote() for w in self.workers], timeout=self.ping_timeout_s)
+        except GetTimeoutError as e:
+            raise self._break(f"a rank did not answer a ping within {self.ping_timeout_s} s") from e
+        except RayActorError as e:
+            raise self._break(f"a rank is dead: {type(e).__name__}") from e
+
+    def _break(self, reason: str) -> TPGroupBroken:
+        """Mark the group unusable and kill its ranks: a survivor may sit in a collective, and its
+        bundle is better free for the replacement."""
+        if not self.broken:
+            self.broken = reason
+            log.error("TP group broken: %s; killing its ranks", reason)
+            kill_all(self.workers)
+        return TPGroupBroken(f"TP group broken ({self.broken}); the replica is being replaced")
+
+
 @serve.deployment(
     name="FlyTarget",
     ray_actor_options={"num_cpus": 0.2},
@@ -156,66 +263,56 @@ def kill_all(workers: list) -> None:
     health_check_period_s=HEALTH_CHECK_PERIOD_S,
     health_check_timeout_s=HEALTH_CHECK_TIMEOUT_S,
     # a caller's round in progress finishes before the replica goes
-    graceful_shutdown_timeout_s=ROUND_TIMEOUT_S,
+    graceful_shutdown_timeout_s=DEFAULT_RANK_CALL_TIMEOUT_S,
     # a unit's calls (tagged with its ingress replica's rank) go to its own target replica
     request_router_config={"request_router_class": PinnedRouter},
 )
 class TargetDeployment:
     def __init__(
         self,
-        target: str,
-        dtype: str = "auto",
+        config: EngineConfig,
+        *,
         tp_size: int = 1,
-        n_slots: int = 8,
         threads: int | None = None,
         worker_options: dict | None = None,
-        round_timeout_s: float = ROUND_TIMEOUT_S,
-        startup_timeout_s: float = STARTUP_TIMEOUT_S,
-        ping_timeout_s: float = PING_TIMEOUT_S,
-        kv_budget_tokens: int | None = None,
+        rank_call_timeout_s: float = DEFAULT_RANK_CALL_TIMEOUT_S,
+        ping_timeout_s: float = DEFAULT_RANK_PING_TIMEOUT_S,
+        startup_timeout_s: float = DEFAULT_TP_STARTUP_TIMEOUT_S,
     ):
-        self.round_timeout_s, self.ping_timeout_s = round_timeout_s, ping_timeout_s
+        self.call_timeout_s = rank_call_timeout_s
         self.lock = threading.Lock()  # one round at a time: the KV cache is not thread-safe
-        self.broken: str | None = None  # why the TP group is unusable
         self.round_started: float | None = None  # monotonic start of the call holding the lock
-        self.local, self.workers = None, []
-        self.rows_verified = 0  # rows verified since start (which unit talks to this replica)
+        self.rows_verified = 0
         if tp_size == 1:
-            self.local = build_scorer(target, dtype, n_slots, threads=threads, kv_budget_tokens=kv_budget_tokens)
-            return
-        options = worker_options or {"num_cpus": 0.1}
-        self.workers = start_workers(
-            target, dtype, n_slots, tp_size, threads, options, startup_timeout_s, kv_budget_tokens
-        )
-        try:  # every rank up (a no-op call queues behind its constructor)
-            ray.get([w.release.remote([]) for w in self.workers], timeout=startup_timeout_s)
-        except Exception as e:
-            kill_all(self.workers)  # never leave half a group holding the bundles
-            raise TPGroupBroken(f"TP group of {tp_size} did not start within {startup_timeout_s} s: {e}") from e
+            self.target: TargetShards = LocalTarget(config, threads or threads_from_ray())
+        else:
+            options = worker_options or {"num_cpus": 0.1}
+            self.target = RayTPTarget(
+                config, tp_size, threads, options, rank_call_timeout_s, ping_timeout_s, startup_timeout_s
+            )
 
     def __del__(self):
-        kill_all(getattr(self, "workers", []))
+        if hasattr(self, "target"):
+            self.target.close()
 
     # ---- rounds
     async def verify(self, rows: list[Row], drafts: Drafts) -> Verdict:
         return await asyncio.to_thread(self._verify, rows, drafts)
 
     def _verify(self, rows: list[Row], drafts: Drafts) -> Verdict:
-        self.rows_verified += len(rows)
         with self._round():
-            if self.local is not None:
-                return self.local.verify(rows, drafts)
-            return self._on_ranks("verify", rows, drafts)[0]
+            self.rows_verified += len(rows)
+            t0 = time.monotonic()
+            verdict = self.target.verify(rows, drafts)
+            verdict.compute_s = time.monotonic() - t0  # the caller's call time minus this: transport
+            return verdict
 
     async def release(self, keys: list[str]) -> None:
         await asyncio.to_thread(self._release, keys)
 
     def _release(self, keys: list[str]) -> None:
         with self._round():
-            if self.local is not None:
-                self.local.release(keys)
-            else:
-                self._on_ranks("release", keys)
+            self.target.release(keys)
 
     @contextlib.contextmanager
     def _round(self):
@@ -227,89 +324,24 @@ class TargetDeployment:
             finally:
                 self.round_started = None
 
-    def _on_ranks(self, method: str, *args) -> list:
-        """`method` on every rank at once; any failure that may leave the ranks out of step
-        breaks the group (a later call would pair one rank's collective with another's)."""
-        if self.broken:
-            raise TPGroupBroken(f"TP group broken ({self.broken}); the replica is being replaced")
-        refs = [getattr(w, method).remote(*args) for w in self.workers]
-        try:
-            return ray.get(refs, timeout=self.round_timeout_s)
-        except GetTimeoutError as e:
-            raise self._break(f"{method} did not finish on every rank within {self.round_timeout_s} s") from e
-        except RayActorError as e:
-            raise self._break(f"a rank died during {method}: {type(e).__name__}") from e
-        except RayTaskError as e:
-            # The same error on every rank (a bad row) leaves the group in step; a rank still
-            # waiting, or a dead one, does not.
-            _, pending = ray.wait(refs, num_returns=len(refs), timeout=self.ping_timeout_s)
-            if pending or not self._ranks_answer():
-                cause = type(getattr(e, "cause", None) or e).__name__
-                raise self._break(f"{method} failed on some ranks only ({cause})") from e
-            raise
-
     # ---- health
     async def check_health(self) -> None:
-        """Raises (Serve then replaces the replica) unless every rank answers and no round hangs."""
-        if self.broken:
-            raise TPGroupBroken(self.broken)
+        """Raises (Serve then replaces the replica) unless every shard answers and no round hangs."""
         started = self.round_started
-        if started is not None and time.monotonic() - started > self.round_timeout_s:
-            raise TimeoutError(f"a round has run for over {self.round_timeout_s} s")
-        if self.workers and not await asyncio.to_thread(self._ranks_answer):
-            raise TPGroupBroken(self.broken)
+        if started is not None and time.monotonic() - started > self.call_timeout_s:
+            raise TimeoutError(f"a round has run for over {self.call_timeout_s} s")
+        await asyncio.to_thread(self.target.check)
 
     async def healthy(self) -> bool:
-        """check_health for callers (the ingress, after a failed round): True or the error."""
+        """check_health for callers (the ingress's prober): True, or it raises."""
         await self.check_health()
         return True
 
-    def _ranks_answer(self) -> bool:
-        """Every rank answers a ping in time; if not, the group is broken."""
-        try:
-            ray.get([w.ping.remote() for w in self.workers], timeout=self.ping_timeout_s)
-            return True
-        except GetTimeoutError:
-            self._break(f"a rank did not answer a ping within {self.ping_timeout_s} s")
-        except RayActorError as e:
-            self._break(f"a rank is dead: {type(e).__name__}")
-        return False
+    # ---- what the replica is
+    async def kv_capacity(self) -> int:
+        """Tokens the KV cache holds, the smallest over the ranks (the engine admits within it)."""
+        return min(await asyncio.to_thread(self.target.kv_capacities))
 
-    def _break(self, reason: str) -> TPGroupBroken:
-        """Mark the group unusable and kill its ranks: a survivor may sit in a collective, and its
-        bundle is better free for the replacement."""
-        if not self.broken:
-            self.broken = reason
-            log.error("TP group broken: %s; killing its ranks", reason)
-            kill_all(self.workers)
-        return TPGroupBroken(f"TP group broken ({self.broken}); the replica is being replaced")
-
-    # ---- introspection (tests, operators)
-    def kv_capacity(self) -> int:
-        """Tokens the KV cache holds (every rank has the same budget)."""
-        if self.local is not None:
-            return self.local.kv_capacity_tokens
-        return ray.get(self.workers[0].kv_capacity.remote(), timeout=self.ping_timeout_s)
-
-    async def rank_kv_capacities(self) -> list[int]:
-        """The KV cache size of every rank (they must agree)."""
-        if not self.workers:
-            return [self.local.kv_capacity_tokens]
-        refs = [w.kv_capacity.remote() for w in self.workers]
-        return await asyncio.to_thread(ray.get, refs, timeout=self.ping_timeout_s)
-
-    def tp_size(self) -> int:
-        return max(1, len(self.workers))
-
-    def pid(self) -> int:
-        return os.getpid()
-
-    def stats(self) -> dict:
-        return {"rows": self.rows_verified, "pid": os.getpid()}
-
-    async def rank_pids(self) -> list[int]:
-        """The process of each rank (this replica's own for tp_size=1)."""
-        if not self.workers:
-            return [os.getpid()]
-        refs = [w.pid.remote() for w in self.workers]
-        return await asyncio.to_thread(ray.get, refs, timeout=self.ping_timeout_s)
+    async def report(self) -> TargetReport:
+        pids, kv = await asyncio.to_thread(lambda: (self.target.pids(), self.target.kv_capacities()))
+        return TargetReport(os.getpid(), pids, kv, self.rows_verified)

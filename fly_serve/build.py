@@ -1,10 +1,17 @@
-"""The one engine factory: a target and a drafter, by name or already loaded, in; an Engine out."""
+"""The one engine factory. Parts are built here from an EngineConfig (`load_scorer`,
+`load_drafter`: the target and drafter replicas call them too), and `assemble_engine` puts an
+Engine together from parts built anywhere (local models, or the Serve ingress's remote proxies),
+so the tokenizer check, the max_model_len clamp and the EOS ids are written once."""
 
+from dataclasses import replace
+
+from .config import EngineConfig
+from .contracts import Drafter, Scorer
 from .cost_calibration import calibrate_engine, calibration_key, model_name
 from .drafters import ModelDrafter
 from .engine import Engine
 from .head_cut import check_head_cut
-from .loading import eos_ids, load_model, load_tokenizer
+from .loading import eos_ids, load_config, load_model, load_tokenizer
 from .model_scorer import ModelScorer
 from .params import Params
 from .round_cost import CostProfile
@@ -20,17 +27,80 @@ def check_widths(target_model, drafter_model, tokenizer) -> None:
             raise ValueError(f"{role}: {model.config.vocab_size} logits cannot cover the tokenizer's {n} tokens")
 
 
+def scorer_for(model, config: EngineConfig, vocab_size: int, tp_group=None, sample: bool = True) -> ModelScorer:
+    """sample: False on TP ranks above 0, whose verdicts nobody reads (they skip the sampling)."""
+    return ModelScorer(
+        model,
+        n_slots=config.max_batch,
+        tp_group=tp_group,
+        vocab_size=vocab_size,
+        kv_budget_tokens=config.target_budget,
+        sample=sample,
+    )
+
+
+def drafter_for(model, config: EngineConfig, vocab_size: int) -> ModelDrafter:
+    return ModelDrafter(
+        model,
+        n_slots=config.max_batch,
+        min_confidence=config.draft_min_confidence,
+        vocab_size=vocab_size,
+        kv_budget_tokens=config.drafter_budget,
+    )
+
+
+def load_scorer(
+    config: EngineConfig, rank: int = 0, world: int = 1, tp_group=None, device=None, progress=print
+) -> ModelScorer:
+    """The target (rank `rank` of `world` shards) as a scorer, on `device` (devices.py; None: this
+    process's). Every rank gets the same token budget, so that the ranks take the same block
+    decisions."""
+    model = load_model(config.target, config.dtype, rank, world, progress=progress, device=device)
+    return scorer_for(model, config, len(load_tokenizer(config.target, progress)), tp_group, sample=rank == 0)
+
+
+def load_drafter(config: EngineConfig, device=None, progress=print) -> ModelDrafter:
+    """The draft model, its logits cut to the tokenizer's tokens as the target's are."""
+    check_head_cut(config.drafter_head_cut, "drafter_head_cut")
+    model = load_model(
+        config.drafter, config.drafter_precision, progress=progress, head_cut=config.drafter_head_cut, device=device
+    )
+    return drafter_for(model, config, len(load_tokenizer(config.drafter, progress)))
+
+
+def assemble_engine(
+    config: EngineConfig, scorer: Scorer, drafter: Drafter | None, tokenizer, target_model=None, progress=print
+) -> Engine:
+    """An Engine from built parts. target_model: the loaded target when there is one here (else
+    its config and generation config are read by name). A drafter named in the config must share
+    the target's tokenizer: speculative decoding compares token ids."""
+    if drafter is not None and isinstance(config.drafter, str):
+        check_same_tokenizer(tokenizer, load_tokenizer(config.drafter, progress))
+    model_config = target_model.config if target_model is not None else load_config(config.target, progress)
+    return Engine(
+        scorer,
+        drafter,
+        tokenizer,
+        eos_ids(target_model if target_model is not None else config.target, tokenizer),
+        max_batch=config.max_batch,
+        max_model_len=min(config.max_model_len, model_config.max_position_embeddings),
+        defaults=config.params(),
+        speculation_profile=config.speculation_profile,
+    )
+
+
 def build_engine(
     target=DEFAULT_TARGET,
     drafter=DEFAULT_DRAFTER,
     *,
     tokenizer=None,
+    config: EngineConfig | None = None,
     dtype: str = "auto",
     drafter_precision: str = "int8",
     drafter_head_cut: int | None = None,
     max_batch: int = 8,
     max_model_len: int = 4096,
-    defaults: Params | None = None,
+    defaults: Params | dict | None = None,
     draft_min_confidence: float = 0.0,
     speculation_profile: CostProfile | dict | None = None,
     kv_budget_tokens: int | None = None,
@@ -41,63 +111,76 @@ def build_engine(
     progress=print,
 ) -> Engine:
     """target / drafter: a model name (loading.py) or a loaded model; drafter None: no draft
-    model (modes ar and pld). With a loaded target, pass its tokenizer. KV budgets, in tokens each
-    cache holds (requests are admitted within the target's): target_kv_budget_tokens and
-    drafter_kv_budget_tokens, each defaulting to kv_budget_tokens, which defaults to max_batch
-    sequences of 4096 (a drafter's cache per token is far smaller than the target's, but on a small
-    GPU beside a large drafter the two must be sized apart). device: where models given by name
-    load (default: this process's, devices.local_device).
-    drafter_head_cut: cut a drafter loaded by name to the lm_head rows of ids below it (head_cut.py);
-    ignored without a drafter, refused with a loaded one (cut that with head_cut.cut_head).
+    model (model-free modes only). With a loaded target, pass its tokenizer. `config`: every
+    other knob at once (EngineConfig); the keywords are its fields for callers without one.
+    KV budgets, in tokens each cache holds (requests are admitted within the target's):
+    target_kv_budget_tokens and drafter_kv_budget_tokens, each defaulting to kv_budget_tokens,
+    which defaults to max_batch sequences of 4096. device: where models given by name load
+    (default: this process's, devices.local_device). drafter_head_cut: cut a drafter loaded by
+    name to the lm_head rows of ids below it (head_cut.py); ignored without a drafter, refused
+    with a loaded one (cut that with head_cut.cut_head).
     k "auto"'s cost profile: speculation_profile if given (an override), else measured here
     (cost_calibration.py; cached per machine, models and versions) when calibrate is True, or
     None and the defaults use k "auto"; otherwise the uncalibrated default shape, which the
     policy's cost check corrects from the first rounds (calibrate_engine can still be called)."""
-    check_head_cut(drafter_head_cut, "drafter_head_cut")
+    if config is None:
+        config = EngineConfig(
+            dtype=dtype,
+            drafter_precision=drafter_precision,
+            drafter_head_cut=drafter_head_cut,
+            max_batch=max_batch,
+            max_model_len=max_model_len,
+            defaults=defaults.__dict__ if isinstance(defaults, Params) else dict(defaults or {}),
+            draft_min_confidence=draft_min_confidence,
+            speculation_profile=speculation_profile,
+            kv_budget_tokens=kv_budget_tokens,
+            target_kv_budget_tokens=target_kv_budget_tokens,
+            drafter_kv_budget_tokens=drafter_kv_budget_tokens,
+        )
+    check_head_cut(config.drafter_head_cut, "drafter_head_cut")
     names = model_name(target), model_name(drafter)  # for the calibration's key, before loading
+    # loaded models are not names: the config keeps names only (None for a loaded part)
+    config = replace(
+        config,
+        target=target if isinstance(target, str) else None,
+        drafter=drafter if isinstance(drafter, str) else None,
+    )
     if tokenizer is None:
-        if not isinstance(target, str):
+        if config.target is None:
             raise ValueError("tokenizer: required when the target is an already-loaded model")
-        tokenizer = load_tokenizer(target, progress)
-    target_model = load_model(target, dtype, progress=progress, device=device) if isinstance(target, str) else target
+        tokenizer = load_tokenizer(config.target, progress)
+    if isinstance(target, str):
+        target_model = load_model(target, config.dtype, progress=progress, device=device)
+    else:
+        target_model = target
     draft = None
     if drafter is not None:
         if isinstance(drafter, str):
             check_same_tokenizer(tokenizer, load_tokenizer(drafter, progress))
             drafter = load_model(
-                drafter, drafter_precision, progress=progress, head_cut=drafter_head_cut, device=device
+                drafter, config.drafter_precision, progress=progress, head_cut=config.drafter_head_cut, device=device
             )
-        elif drafter_head_cut is not None:  # cutting a caller's model in place would surprise it
+        elif config.drafter_head_cut is not None:  # cutting a caller's model in place would surprise it
             raise ValueError("drafter_head_cut: only for a drafter given by name (cut a loaded one: head_cut.cut_head)")
         check_widths(target_model, drafter, tokenizer)
-        draft = ModelDrafter(
-            drafter,
-            n_slots=max_batch,
-            min_confidence=draft_min_confidence,
-            vocab_size=len(tokenizer),
-            kv_budget_tokens=drafter_kv_budget_tokens or kv_budget_tokens,
-        )
-    max_model_len = min(max_model_len, target_model.config.max_position_embeddings)
-    target_budget = target_kv_budget_tokens or kv_budget_tokens
-    scorer = ModelScorer(target_model, n_slots=max_batch, vocab_size=len(tokenizer), kv_budget_tokens=target_budget)
-    engine = Engine(
-        scorer,
+        draft = drafter_for(drafter, config, len(tokenizer))
+    # the drafter's tokenizer was checked above, against whatever tokenizer the caller gave
+    engine = assemble_engine(
+        replace(config, drafter=None),
+        scorer_for(target_model, config, len(tokenizer)),
         draft,
         tokenizer,
-        eos_ids(target_model, tokenizer),
-        max_batch=max_batch,
-        max_model_len=max_model_len,
-        defaults=defaults,
-        speculation_profile=speculation_profile,
+        target_model,
+        progress,
     )
-    if speculation_profile is None and (engine.defaults.auto_k if calibrate is None else calibrate):
+    if config.speculation_profile is None and (engine.defaults.auto_k if calibrate is None else calibrate):
         key = calibration_key(
             *names,
-            dtype=dtype,
-            drafter_precision=drafter_precision,
-            max_batch=max_batch,
+            dtype=config.dtype,
+            drafter_precision=config.drafter_precision,
+            max_batch=config.max_batch,
             k_max=engine.defaults.k_max,
-            drafter_head_cut=drafter_head_cut,
+            drafter_head_cut=config.drafter_head_cut,
         )
         calibrate_engine(engine, key, progress=progress)
     return engine

@@ -1,8 +1,9 @@
 """The contracts between the engine and its parts: what a round sends to a drafter and to the
 scorer (the target), what comes back, and what a round reports.
 
-Rows carry the whole token list, so a drafter or target replica that has never seen the
-sequence (or saw an older state) rebuilds what it needs (kv_cache.KVCache.plan). A new drafter
+Rows carry the whole token list (to a part in another process, only the tokens it does not hold
+yet: row_history.py), so a drafter or target replica that has never seen the sequence (or saw an
+older state) rebuilds what it needs (kv_cache.KVCache.plan). A new drafter
 (a remote one, a datastore, an EAGLE head) is one class that satisfies `Drafter`.
 """
 
@@ -27,6 +28,9 @@ class Row:
     # MLA: the proposal sources a model drafter tries, in order, at each of its forwards (the first
     # that proposes anything wins; params.MLA_SOURCES); a drafter without a source skips it.
     mla_sources: tuple[str, ...] = ("pld",)
+    # The position of tokens[0] in the sequence: a part in another process gets only the tokens
+    # it does not hold yet (row_history.py); 0: tokens is the whole sequence.
+    start: int = 0
 
     @property
     def sampled(self) -> bool:
@@ -43,6 +47,9 @@ class Drafts:
     forwards: int = 0  # drafter forwards it took (batched: one forward drafts for every row)
     # per row, the drafter forwards it was in (with MLA fewer than its drafts); None: not reported
     row_forwards: list[int] | None = None
+    # seconds the drafter computed, as a replica reports it (the round's call time minus this is
+    # transport); None: drafted in the caller's process, so the call is the compute
+    compute_s: float | None = None
 
     @classmethod
     def empty(cls, n_rows: int) -> "Drafts":
@@ -71,6 +78,7 @@ class Verdict:
     support: torch.Tensor
     topk: torch.Tensor | None = None
     plausibility: torch.Tensor | None = None
+    compute_s: float | None = None  # seconds the target computed, as its replica reports it (as Drafts')
 
 
 class DraftSource(Protocol):
@@ -84,6 +92,11 @@ class Drafter(Protocol):
     def propose(self, rows: list[Row]) -> Drafts: ...
 
     def release(self, keys: list[str]) -> None: ...
+
+    def share_sources(self, sources: dict[str, DraftSource]) -> None:
+        """The engine's shared draft sources (its suffix index and token recycler), offered once
+        at start: a drafter that proposes with MLA levels in this process takes them; one in
+        another process (a remote drafter) keeps its own prompt lookup and ignores them."""
 
 
 class Scorer(Protocol):
@@ -103,9 +116,14 @@ class RoundResult:
 
     advanced: list = field(default_factory=list)  # the engine Requests of this round (failed ones too)
     drafting_rows: int = 0  # rows that had drafts
-    draft_s: float = 0.0
-    verify_s: float = 0.0
+    # The round's timeline, seconds (deployments/prometheus.py exports each as a phase):
+    draft_s: float = 0.0  # the drafter call, as the engine waits for it
+    verify_s: float = 0.0  # the target call
     decide_s: float = 0.0
+    draft_compute_s: float = 0.0  # of draft_s, what the drafter computed (the rest: transport)
+    verify_compute_s: float = 0.0  # of verify_s, what the target computed
+    ingress_wait_s: float = 0.0  # the serving loop between rounds: its inbox, admissions (engine_loop.py)
+    publish_s: float = 0.0  # the serving loop handing the round's text to its requests
     drafted: int = 0
     accepted: int = 0
     loosely_accepted: int = 0
@@ -127,6 +145,10 @@ class RoundResult:
             "draft_s",
             "verify_s",
             "decide_s",
+            "draft_compute_s",
+            "verify_compute_s",
+            "ingress_wait_s",
+            "publish_s",
             "drafted",
             "accepted",
             "loosely_accepted",

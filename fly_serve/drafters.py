@@ -47,6 +47,9 @@ class SourceDrafter:
     def release(self, keys: list[str]) -> None:
         pass  # no per-sequence state (a shared source learns from finished requests, not rows)
 
+    def share_sources(self, sources: dict[str, DraftSource]) -> None:
+        pass  # one source of its own; no MLA levels
+
 
 class LookupDrafter(SourceDrafter):
     def __init__(self, max_n: int = 4, min_n: int = 1):

@@ -108,9 +108,10 @@ def test_drafter_killed_mid_generation(app):
 # ---- one TP rank killed mid-generation
 def test_tp_rank_killed_mid_generation(app):
     target = handle("FlyTarget")
-    assert target.rank_kv_capacities.remote().result(timeout_s=30) == [KV_BUDGET_TOKENS] * 2
+    assert target.report.remote().result(timeout_s=30).rank_kv_capacities == [KV_BUDGET_TOKENS] * 2
     r = tp_rank_kill(app, LONG_TOKENS, PROBE_TOKENS)
-    new_kv = ask(target.rank_kv_capacities.remote(), 30)
+    after = ask(target.report.remote(), 30)
+    new_kv = after.rank_kv_capacities if after else None
     report("TP rank SIGKILLed with 3 in flight (1 streaming)", r.summary() | {"new_rank_kv_capacities": new_kv})
     assert len(r.old_ranks) == 2
     # the in-flight requests end, cleanly, well before the client would give up
@@ -138,6 +139,7 @@ def test_hung_rank_times_out_and_the_group_is_rebuilt(app):
 
     from deployments.placement import tp_bundles
     from deployments.target_replica import TargetDeployment, TPGroupBroken
+    from fly_serve.config import EngineConfig
     from fly_serve.contracts import Drafts, Row
 
     target = TargetDeployment.options(
@@ -145,7 +147,8 @@ def test_hung_rank_times_out_and_the_group_is_rebuilt(app):
         placement_group_bundles=tp_bundles(2, {"num_cpus": 0.1}, 0.2),
         placement_group_strategy="STRICT_PACK",
     )
-    bound = target.bind("tiny:0", "fp32", 2, 2, None, {"num_cpus": 0.1}, round_timeout_s=HUNG_ROUND_TIMEOUT_S)
+    config = EngineConfig(target="tiny:0", drafter=None, dtype="fp32", max_batch=2)
+    bound = target.bind(config, tp_size=2, worker_options={"num_cpus": 0.1}, rank_call_timeout_s=HUNG_ROUND_TIMEOUT_S)
     others = set(replica_pids(app.root_pid, "TPWorker"))  # the module app's ranks
     ranks = lambda: sorted(set(replica_pids(app.root_pid, "TPWorker")) - others)
     h = serve.run(bound, name="hung", route_prefix=None)

@@ -1,4 +1,4 @@
-"""The app through Ray Serve (tiny models, target TP=2 over gloo, PLD as a deployment) against
+"""The app through Ray Serve (tiny models, target TP=2 over gloo) against
 the in-process engine: same outputs, batching, streaming, the OpenAI client, errors."""
 
 import json
@@ -17,7 +17,7 @@ from fly_serve.model_scorer import ModelScorer
 
 pytestmark = pytest.mark.serve
 
-APP = {"tiny": True, "tp_size": 2, "pld": "deployment", "max_batch": 8, "defaults": {"max_tokens": 24}}
+APP = {"tiny": True, "tp_size": 2, "max_batch": 8, "defaults": {"max_tokens": 24}}
 PROMPTS = ["def add(a, b):\n    return", "The quick brown fox", "1, 2, 3, 4, 5,", "hello hello hello"]
 MODES = ["fly", "ar", "spd", "pld"]
 
@@ -170,7 +170,7 @@ def test_tp2_target_deployment_equals_tp1(url):
     from ray import serve
 
     handle = serve.get_deployment_handle("FlyTarget", app_name="fly")
-    assert handle.tp_size.remote().result() == 2
+    assert handle.report.remote().result().tp_size == 2
     rows = [
         Row("tp-a", [5, 17, 42, 99, 7, 3, 250, 11], k=3, entropy="topk"),
         Row("tp-b", [1, 2, 3], k=2, entropy="full"),

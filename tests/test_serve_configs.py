@@ -14,8 +14,8 @@ from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
 from ray.serve._private.build_app import build_app
 from ray.serve.schema import ServeDeploySchema
 
+from deployments.admission import serve_limits
 from deployments.app import AppArgs, build
-from deployments.ingress import serve_limits
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.serve
@@ -63,12 +63,17 @@ def check_ingress_sheds_first(args: dict, built, configured) -> None:
 
 
 def test_profile_keys_reach_the_target_and_drafter():
-    app = build({"tiny": True, "kv_budget_tokens": 256, "target_round_timeout_s": 7, "target_ping_timeout_s": 3})
+    app = build({"tiny": True, "kv_budget_tokens": 256, "rank_call_timeout_s": 7, "rank_ping_timeout_s": 3})
     built = {d.name: d for d in build_app(app, name="fly").deployments}
-    target = built["FlyTarget"].init_kwargs
-    assert target["kv_budget_tokens"] == 256
-    assert (target["round_timeout_s"], target["ping_timeout_s"]) == (7, 3)
-    assert target["startup_timeout_s"] == AppArgs().target_startup_timeout_s
+    target = built["FlyTarget"]
+    assert target.init_args[0].kv_budget_tokens == built["FlyDrafter"].init_args[0].kv_budget_tokens == 256
+    assert (target.init_kwargs["rank_call_timeout_s"], target.init_kwargs["ping_timeout_s"]) == (7, 3)
+    assert target.init_kwargs["startup_timeout_s"] == AppArgs().tp_startup_timeout_s
+
+
+def test_old_timeout_names_are_still_accepted():
+    a = AppArgs(remote_timeout_s=5, round_timeout_s=6, target_round_timeout_s=7, target_ping_timeout_s=8)
+    assert (a.call_timeout_s, a.stuck_round_s, a.rank_call_timeout_s, a.rank_ping_timeout_s) == (5, 6, 7, 8)
 
 
 @pytest.mark.parametrize(
@@ -76,9 +81,10 @@ def test_profile_keys_reach_the_target_and_drafter():
     [
         ("kv_budget_tokens", 8),  # less than one 16-token block
         ("kv_budget_tokens", -1),
-        ("target_round_timeout_s", 0),
-        ("target_ping_timeout_s", -1),
-        ("target_startup_timeout_s", 0),
+        ("rank_call_timeout_s", 0),
+        ("rank_ping_timeout_s", -1),
+        ("tp_startup_timeout_s", 0),
+        ("call_timeout_s", 0),
         ("max_waiting", -1),
     ],
 )

@@ -95,12 +95,12 @@ def test_drafter_pool_scales_out_and_every_replica_drafts(url, reference):
 
 def test_two_units_each_with_its_own_target(url, reference):
     assert running("FlyIngress") == 2 and running("FlyTarget") == 2
-    pids = per_replica("FlyTarget", "pid", 2)
+    pids = [r.pid for r in per_replica("FlyTarget", "report", 2)]
     assert len(set(pids)) == 2
-    before = [s["rows"] for s in per_replica("FlyTarget", "stats", 2)]
+    before = [r.rows_verified for r in per_replica("FlyTarget", "report", 2)]
     for prompt, text in wave(url, 12):
         assert text == reference[prompt]
-    after = [s["rows"] for s in per_replica("FlyTarget", "stats", 2)]
+    after = [r.rows_verified for r in per_replica("FlyTarget", "report", 2)]
     assert all(a > b for a, b in zip(after, before)), (before, after)  # the proxy spread requests over both
 
 

@@ -1,0 +1,39 @@
+"""The one configuration of an engine (vLLM's habit: one config object handed down). The
+in-process factory (`build.build_engine`), the Serve app (`deployments.app.AppArgs.engine_config`)
+and the replicas that load a part read the same fields, so a knob is named and defaulted once."""
+
+from dataclasses import dataclass, field
+
+from .params import Params
+from .weights import DEFAULT_DRAFTER, DEFAULT_TARGET
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    target: str = DEFAULT_TARGET  # a model name (loading.py), "tiny:<seed>" for tests
+    drafter: str | None = DEFAULT_DRAFTER  # None: no draft model (model-free modes only)
+    dtype: str = "auto"  # the target's precision (loading.resolve_precision)
+    drafter_precision: str = "int8"
+    drafter_head_cut: int | None = None  # cut the drafter's lm_head to ids below this (head_cut.py)
+    max_batch: int = 8  # sequences per round; also the KV caches' slots
+    max_model_len: int = 4096  # clamped to the target's max_position_embeddings
+    defaults: dict = field(default_factory=dict)  # Params defaults (mode, k, theta, max_tokens ...)
+    draft_min_confidence: float = 0.0
+    speculation_profile: dict | None = None  # k "auto"'s round cost model (`fly-serve tune-k`)
+    # Tokens each KV cache holds, all sequences together (target on every TP rank alike, drafter);
+    # None: max_batch sequences of 4096 tokens. The target's and the drafter's own budgets, when
+    # set, win: on a small GPU beside a large drafter the two must be sized apart.
+    kv_budget_tokens: int | None = None
+    target_kv_budget_tokens: int | None = None
+    drafter_kv_budget_tokens: int | None = None
+
+    def params(self) -> Params:
+        return Params.from_dict(self.defaults)
+
+    @property
+    def target_budget(self) -> int | None:
+        return self.target_kv_budget_tokens or self.kv_budget_tokens
+
+    @property
+    def drafter_budget(self) -> int | None:
+        return self.drafter_kv_budget_tokens or self.kv_budget_tokens

@@ -1,0 +1,115 @@
+"""Rows carry only the tokens a replica does not hold (fly_serve/row_history.py), no Ray: the
+remote parts over fake handles that call real replicas' code in-process, with a replica that
+restarts (forgets every row) in the middle of a generation."""
+
+import pytest
+
+from deployments.remote_parts import RemoteDrafter, RemoteScorer
+from fly_serve.build import EngineConfig, assemble_engine, build_engine, load_drafter, load_scorer
+from fly_serve.contracts import Row
+from fly_serve.loading import load_tokenizer
+from fly_serve.row_history import RowHistory, RowSender, RowsUnknown, rows_unknown
+
+
+class Done:
+    """A Serve response that is already done."""
+
+    def __init__(self, call):
+        try:
+            self.value, self.error = call(), None
+        except Exception as e:
+            self.value, self.error = None, e
+
+    def result(self, timeout_s=None):
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+class Method:
+    def __init__(self, fn):
+        self.fn = fn
+
+    def remote(self, *args):
+        return Done(lambda: self.fn(*args))
+
+
+class Replica:
+    """A part as its replica holds it: a RowHistory in front, and what each call carried."""
+
+    def __init__(self, part, method: str):
+        self.part, self.method, self.history = part, method, RowHistory()
+        self.sent_tokens = 0  # tokens received, all calls together
+
+    def call(self, rows, *rest):
+        self.sent_tokens += sum(len(r.tokens) for r in rows)
+        return getattr(self.part, self.method)(self.history.whole(rows), *rest)
+
+    def release(self, keys):
+        self.history.release(keys)
+        self.part.release(keys)
+
+    def restart(self):
+        self.history = RowHistory()
+
+
+class Handle:
+    def __init__(self, replica: Replica):
+        self.replica = replica
+
+    def options(self, **_):
+        return self
+
+    def __getattr__(self, name):
+        if name in ("verify", "propose"):
+            return Method(self.replica.call)
+        if name == "release":
+            return Method(self.replica.release)
+        if name == "kv_capacity":
+            return Method(lambda: self.replica.part.kv_capacity_tokens)
+        raise AttributeError(name)
+
+
+def test_history_puts_rows_back_together_and_refuses_what_it_does_not_hold():
+    history, sender = RowHistory(), RowSender()
+    row = Row("a", [1, 2, 3])
+    assert history.whole(sender.compact([row]))[0].tokens == [1, 2, 3]
+    sender.sent([row])
+    row.tokens += [4, 5]
+    compact = sender.compact([row])[0]
+    assert (compact.tokens, compact.start) == ([4, 5], 3)
+    assert history.whole([compact])[0].tokens == [1, 2, 3, 4, 5]
+    assert history.whole([compact])[0].tokens == [1, 2, 3, 4, 5]  # a retried call: the same row
+    with pytest.raises(RowsUnknown) as e:
+        RowHistory().whole([compact])
+    assert e.value.keys == ["a"] and rows_unknown(RuntimeError("wrapped")) is False
+    wrapped = RuntimeError("from a replica")
+    wrapped.cause = e.value  # as Ray's RayTaskError carries it
+    assert rows_unknown(wrapped)
+    sender.forget(["a"])
+    assert sender.compact([row])[0].start == 0
+
+
+@pytest.mark.parametrize("mode", ["fly", "spd", "ar"])
+def test_remote_parts_send_new_tokens_only_and_survive_a_restart(mode):
+    config = EngineConfig(target="tiny:0", drafter="tiny:1", max_model_len=256)
+    params = {"mode": mode, "k": 4, "max_tokens": 40}
+    prompts = ["def add(a, b):\n    return", "hello hello hello"]
+    expected = [r.text for r in build_engine("tiny:0", "tiny:1", max_model_len=256).generate(prompts, params)]
+
+    target, drafter = Replica(load_scorer(config), "verify"), Replica(load_drafter(config), "propose")
+    tokenizer = load_tokenizer("tiny:0")
+    engine = assemble_engine(
+        config, RemoteScorer(Handle(target), len(tokenizer)), RemoteDrafter(Handle(drafter)), tokenizer
+    )
+    reqs = [engine.add(p, params) for p in prompts]
+    rounds = 0
+    while not all(r.finished for r in reqs):
+        engine.step()
+        rounds += 1
+        if rounds == 3:  # both replicas restart: they hold no row any more
+            target.restart()
+            drafter.restart()
+    assert [r.text for r in reqs] == expected
+    whole = sum(len(r.tokens) for r in reqs) * rounds  # what sending every row whole would cost, at most
+    assert target.sent_tokens < whole / 2, (target.sent_tokens, whole)
