@@ -239,7 +239,7 @@ class Engine:
         rows = [self._row(r) for r in batch]
         self._choose_ks(batch, rows)
         t0 = time.perf_counter()
-        drafts, fallback, draft_transport_s = self._draft(batch, rows)
+        drafts, fallback = self._draft(batch, rows)
         t1 = time.perf_counter()
         verdict = self.scorer.verify(rows, drafts)
         t2 = time.perf_counter()
@@ -249,7 +249,8 @@ class Engine:
 
         result = RoundResult(list(batch), sum(1 for d in drafts.tokens if d), t1 - t0, t2 - t1, t3 - t2)
         result.drafter_fallback = fallback
-        result.draft_compute_s = t1 - t0 - draft_transport_s
+        # a remote drafter reports its compute; the rest of the call was transport
+        result.draft_compute_s = t1 - t0 if drafts.compute_s is None else drafts.compute_s
         result.verify_compute_s = t2 - t1 if verdict.compute_s is None else verdict.compute_s
         a_list, n_loose, y = accept_len.tolist(), loosely.sum(1).tolist(), verdict.y.tolist()
         for b, req in enumerate(batch):
@@ -300,21 +301,18 @@ class Engine:
             req.id, req.tokens, k, p.mla, p.temperature, p.top_p, p.seed, entropy, rho=rho, mla_sources=p.mla_levels
         )
 
-    def _draft(self, batch: list[Request], rows: list[Row]) -> tuple[Drafts, bool, float]:
-        """Drafts for every row, whether the model drafter failed this round, and the seconds
-        spent in transport (a remote drafter's call time minus the compute it reports). A failed
+    def _draft(self, batch: list[Request], rows: list[Row]) -> tuple[Drafts, bool]:
+        """Drafts for every row, and whether the model drafter failed this round. Its compute
+        seconds, where a remote drafter reports them, ride along (Drafts.compute_s). A failed
         drafter's rows get prompt-lookup drafts (exact at any temperature: a one-hot q), and the
         next round tries the drafter again: rows carry all their tokens, so they never depend on it."""
-        drafts, fallback, transport_s = Drafts.empty(len(rows)), False, 0.0
+        drafts, fallback = Drafts.empty(len(rows)), False
         for kind, drafter in self.drafters.items():
             idx = [b for b, r in enumerate(batch) if r.params.mode_spec.drafter == kind and rows[b].k]
             if not idx:
                 continue
             try:
-                t0 = time.perf_counter()
                 got = drafter.propose([rows[b] for b in idx])
-                if got.compute_s is not None:
-                    transport_s += max(0.0, time.perf_counter() - t0 - got.compute_s)
             except Exception:
                 if kind != "model":  # the model-free sources run here: their failure is a bug
                     raise
@@ -324,12 +322,12 @@ class Engine:
             for i, b in enumerate(idx):
                 drafts.tokens[b], drafts.q[b] = got.tokens[i], got.q[i]
             if kind == "model" and not fallback:  # the forwards k "auto" costs and learns MLA from
-                drafts.forwards = got.forwards
+                drafts.forwards, drafts.compute_s = got.forwards, got.compute_s
                 if got.row_forwards is not None:
                     drafts.row_forwards = drafts.row_forwards or [0] * len(rows)
                     for i, b in enumerate(idx):
                         drafts.row_forwards[b] = got.row_forwards[i]
-        return drafts, fallback, transport_s
+        return drafts, fallback
 
     def _recycle(self, rows: list[Row], drafts: Drafts, verdict) -> None:
         """Feed the target's top-k at every position it verified, [last token, d_1..d_n] per row,
