@@ -154,16 +154,18 @@ def parse_body(raw: bytes, model: type[BaseModel]) -> BaseModel:
         return model.model_validate(obj)
     except ValidationError as e:
         first = e.errors(include_url=False, include_input=False)[0]
-        param = ".".join(str(p) for p in field_path(first.get("loc", ()))) or None
+        param = ".".join(str(p) for p in field_path(first.get("loc", ()), first.get("type"))) or None
         raise BodyError(f"{param or 'body'}: {first.get('msg')}", param) from None
 
 
-def field_path(loc: tuple) -> tuple:
+def field_path(loc: tuple, kind: str | None = None) -> tuple:
     """A pydantic error location as the client's field path: ("fly", "k", "int") names the
-    union member that failed last; the client sent "fly.k"."""
+    union member that failed last; the client sent "fly.k". An unknown key (extra_forbidden) is
+    the client's own name: kept ("fly.bogus")."""
     out = []
-    for part in loc:
-        if not (isinstance(part, int) or part in REQUEST_FIELDS):
+    for i, part in enumerate(loc):
+        unknown_key = kind == "extra_forbidden" and i == len(loc) - 1
+        if not (isinstance(part, int) or part in REQUEST_FIELDS or unknown_key):
             break
         out.append(part)
     return tuple(out)

@@ -176,3 +176,21 @@ def test_sampling_probs_of_accepted_values_are_finite():
     for t, top_p in ((SAMPLING_EPS, 1.0), (SAMPLING_EPS, SUBNORMAL), (100.0, 1e-9)):
         p = probs(logits, t, top_p)
         assert torch.isfinite(p).all() and torch.allclose(p.sum(-1), torch.ones(3))
+
+
+@pytest.mark.parametrize(
+    "raw,param",
+    [
+        ('{"prompt": "x", "fly": {"k": 1.5}}', "fly.k"),  # a union's member is not the field's name
+        ('{"prompt": "x", "fly": {"bogus": 1}}', "fly.bogus"),  # an unknown key is the client's own
+        ('{"prompt": "x", "temperature": "0.5"}', "temperature"),
+        ('{"prompt": "x", "presence_penalty": NaN}', "presence_penalty"),
+        ('{"messages": [{"role": 1, "content": "a"}]}', "messages.0.role"),
+    ],
+)
+def test_a_body_error_names_the_field_as_sent(raw, param):
+    from deployments.openai_api import BodyError, ChatRequest, CompletionRequest, parse_body
+
+    with pytest.raises(BodyError) as e:
+        parse_body(raw.encode(), ChatRequest if "messages" in raw else CompletionRequest)
+    assert e.value.param == param
