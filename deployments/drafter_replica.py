@@ -100,16 +100,7 @@ class DrafterDeployment:
             self.drafter.release(keys)
 
     def cache_report(self) -> dict:
-        d = self.drafter
-        seen = d.hits + d.misses
-        return {
-            "hits": d.hits,
-            "misses": d.misses,
-            "hit_rate": d.hits / seen if seen else 0.0,
-            "forwards": d.forwards,
-            "rows": self.rows,
-            "busy_s": self.busy_s,
-        }
+        return self.drafter.cache_report() | {"rows": self.rows, "busy_s": self.busy_s}
 
     # ---- autoscaling: the signal the drafter really sees
     def record_autoscaling_stats(self) -> dict[str, float]:

@@ -213,14 +213,7 @@ class Ingress:
 
     async def _drafter_cache(self) -> dict | None:
         if self.local_drafter is not None:
-            d = self.local_drafter
-            seen = d.hits + d.misses
-            return {
-                "hits": d.hits,
-                "misses": d.misses,
-                "hit_rate": d.hits / seen if seen else 0.0,
-                "forwards": d.forwards,
-            }
+            return self.local_drafter.cache_report()
         try:
             return await asyncio.wait_for(self.drafter_handle.cache_report.remote(), self.call_timeout_s)
         except Exception as e:  # stats never fail because a drafter replica is away

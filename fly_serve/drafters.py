@@ -83,6 +83,16 @@ class ModelDrafter:
         self.hits = 0  # rows whose KV cache this drafter already held (session affinity)
         self.misses = 0
 
+    def cache_report(self) -> dict:
+        """How often a row found its KV cache here warm, and the forwards since start (stats)."""
+        seen = self.hits + self.misses
+        return {
+            "hits": self.hits,
+            "misses": self.misses,
+            "hit_rate": self.hits / seen if seen else 0.0,
+            "forwards": self.forwards,
+        }
+
     def share_sources(self, sources: dict[str, DraftSource]) -> None:
         """Add (or replace) MLA sources by name, e.g. the engine's suffix index and recycler."""
         self.sources.update(sources)

@@ -40,15 +40,17 @@ def tiny_tokenizer(bos: str | None = None) -> PreTrainedTokenizerFast:
     return tok
 
 
+# the tiny models' layers: GQA (4 query heads over 2 KV heads), as the real pairs have
+TINY_SHAPE = dict(
+    hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128
+)
+
+
 def tiny_model(seed: int = 0, vocab_size: int = TINY_VOCAB_SIZE, **overrides) -> Qwen2ForCausalLM:
     """Tiny random Qwen2 (fp32, eval) whose ids match tiny_tokenizer() by default."""
     cfg = dict(
         vocab_size=vocab_size,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
+        **TINY_SHAPE,
         max_position_embeddings=1024,
         tie_word_embeddings=True,
         eos_token_id=min(258, vocab_size - 1),
@@ -78,11 +80,7 @@ def tiny_llama(seed: int = 0, vocab_size: int = TINY_VOCAB_SIZE + 1, **overrides
     on both sides of the scaling's wavelength bands, so the scaling really changes the logits."""
     cfg = dict(
         vocab_size=vocab_size,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
+        **TINY_SHAPE,
         max_position_embeddings=131072,
         rope_theta=500000.0,
         rope_scaling=dict(LLAMA31_ROPE_SCALING),
