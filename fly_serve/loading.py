@@ -22,12 +22,14 @@ from . import tp
 from .devices import is_gpu, local_device
 from .head_cut import check_head_cut, cut_head
 from .sharded_load import load_shard
-from .tiny import tiny_model, tiny_tokenizer
+from .tiny import poisoned, tiny_model, tiny_tokenizer
 from .weights import converted_path, load_converted, resolve
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 PRECISIONS = ("auto", "bf16", "fp32", "int8")
-_TINY = re.compile(r"tiny:(\d+)$")
+# "tiny:N": a tiny random model; "tiny:N:poison": one whose forward fails on tiny.POISON_ID, so
+# that a test can send a request that fails for its own reasons (tiny.poisoned)
+_TINY = re.compile(r"tiny:(\d+)(:poison)?$")
 
 
 def tiny_seed(name: str) -> int | None:
@@ -101,6 +103,8 @@ def load_model(
         return load_shard(resolve(name, progress), DTYPES[precision], rank, world, device)
     if seed is not None:
         model = _cut(tiny_model(seed), name, head_cut, progress)
+        if name.endswith(":poison"):
+            poisoned(model)
     elif precision == "int8":
         return _int8(name, head_cut, progress)
     else:

@@ -94,3 +94,24 @@ def tiny_llama(seed: int = 0, vocab_size: int = TINY_VOCAB_SIZE + 1, **overrides
         torch.manual_seed(seed)
         model = LlamaForCausalLM(LlamaConfig(**cfg))
     return model.to(torch.float32).eval().requires_grad_(False)
+
+
+POISON_ID = 7  # the byte tokenizer's id of "\x07" (BEL): no test prompt holds it by chance
+
+
+class Poisoned(RuntimeError):
+    """What a poisoned tiny model raises: a request that fails for its own reasons."""
+
+
+def poisoned(model):
+    """The model, failing every forward whose input holds POISON_ID ("tiny:N:poison" in
+    loading.py): a poison request fails alone, the others in its batch go on (engine bisection),
+    and the service stays healthy (a health probe runs no forward)."""
+
+    def check(_embedding, args):
+        if bool((args[0] == POISON_ID).any()):
+            raise Poisoned(f"poisoned input (token {POISON_ID})")
+
+    # on the embedding: the runner calls the layers itself, never the model's own forward
+    model.model.embed_tokens.register_forward_pre_hook(check)
+    return model

@@ -1,10 +1,11 @@
 """Serving that stays up: clients that leave at every stage, bad text, overload, API keys, error
 bodies that reveal nothing, the body limit, health and readiness, metrics, draining.
 
-Three small apps on one local Ray, deployed from one Serve config (tiny models, 127.0.0.1): "fly"
+Four small apps on one local Ray, deployed from one Serve config (tiny models, 127.0.0.1): "fly"
 at / (TP=1, a small waiting queue), "locked" at /locked (an API key, and a remote timeout so
-small that every round fails, for the server-error path) and "budget" at /budget (a KV cache of
-a few hundred tokens, for admission at the budget's edge). Plus unit tests of the pieces that
+small that every round fails, for the server-error path), "budget" at /budget (a KV cache of
+a few hundred tokens, for admission at the budget's edge) and "poison" at /poison (a target that
+fails any forward holding tiny.POISON_ID: a request that fails for its own reasons). Plus unit tests of the pieces that
 need no Ray.
 """
 
@@ -35,6 +36,7 @@ APP = {"tiny": True, "max_batch": MAX_BATCH, "max_waiting": MAX_WAITING, "defaul
 KEY = "test-key-7f3a"
 LOCKED = {"tiny": True, "max_batch": 2, "api_key": KEY, "call_timeout_s": 1e-6}
 PROMPT = "hello hello hello"  # 17 tokens (the tiny tokenizer is byte-level)
+POISON = {"target": "tiny:0:poison", "drafter": "tiny:1", "max_batch": 4, "defaults": {"max_tokens": 8}}
 # KV need of a request: prompt + max_tokens + k + 1 (k = 15 by default, in ar mode too).
 BUDGET_TOKENS = 512
 BUDGET = {"tiny": True, "max_batch": 2, "max_waiting": 1, "kv_budget_tokens": BUDGET_TOKENS, "defaults": {"mode": "ar"}}
@@ -55,7 +57,8 @@ def config(ingress_cpus: float = 0.2) -> dict:
             "deployments": [ingress]
         }
 
-    return {"applications": [app("fly", "/", APP), app("locked", "/locked", LOCKED), app("budget", "/budget", BUDGET)]}
+    apps = [app("fly", "/", APP), app("locked", "/locked", LOCKED), app("budget", "/budget", BUDGET)]
+    return {"applications": [*apps, app("poison", "/poison", POISON)]}
 
 
 def deploy(cfg: dict) -> None:
@@ -65,7 +68,7 @@ def deploy(cfg: dict) -> None:
     serve_api.serve_start().deploy_apps(ServeDeploySchema.model_validate(cfg))
 
 
-APPS = {"fly", "locked", "budget"}
+APPS = {"fly", "locked", "budget", "poison"}
 
 
 def wait_running(timeout_s: float = 120) -> None:
@@ -96,6 +99,7 @@ def url():
     wait_ready(base)
     wait_ready(f"{base}/locked")
     wait_ready(f"{base}/budget")
+    wait_ready(f"{base}/poison")
     yield base
     stop_serve()
 
@@ -534,6 +538,30 @@ def test_a_failed_generation_says_only_to_quote_the_request_id(url):
         time.sleep(0.2)
     r = requests.post(f"{locked}/v1/completions", json=body, headers=auth, timeout=TIMEOUT)
     assert_clean_error(r, 500)  # admitted (not a 503): it fails for its own reasons again
+
+
+def test_a_poison_request_fails_alone_and_the_service_stays_healthy(url):
+    """Issue 17: a request that fails for its own reasons (its prompt breaks the target's forward)
+    fails with its clean error, alone in the batch or beside healthy requests, which are answered;
+    /healthz stays 200, and a healthy request sent right after is answered."""
+    from fly_serve.tiny import POISON_ID
+
+    poison = f"{url}/poison"
+    bad = {"prompt": f"ring the bell {chr(POISON_ID)} now", "max_tokens": 8}
+    good = {"prompt": PROMPT, "max_tokens": 8}
+    err = assert_clean_error(requests.post(f"{poison}/v1/completions", json=bad, timeout=TIMEOUT), 500)
+    assert err["message"] == f"generation failed; quote request id {err['request_id']}"
+    for _ in range(10):
+        assert requests.get(f"{poison}/healthz", timeout=TIMEOUT).status_code == 200
+        time.sleep(0.2)
+    r = requests.post(f"{poison}/v1/completions", json=good, timeout=TIMEOUT)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1, r.text
+    with ThreadPoolExecutor(3) as pool:  # in one batch: bisection fails the poison row alone
+        answers = list(
+            pool.map(lambda b: requests.post(f"{poison}/v1/completions", json=b, timeout=TIMEOUT), [good, bad, good])
+        )
+    assert [a.status_code for a in answers] == [200, 500, 200], [a.text for a in answers]
+    assert requests.get(f"{poison}/healthz", timeout=TIMEOUT).status_code == 200
 
 
 def test_request_metrics_are_exported(url):
