@@ -10,7 +10,7 @@ even on error: the scenarios of scenarios.py and fuzz.py in sequence, their resu
      (a new seed each run, printed): status codes, and every 5xx;
   e. (--soak N) soak.py's long run of N requests: outcomes, RSS at its start and end.
 
-    python -m fly_load.fault_run                       # the default profile (cpu-default), real pair
+    python -m fly_load.fault_run                       # cpu-tp2 (TP group + drafter replica), real pair
     python -m fly_load.fault_run --tiny --fuzz-cases 100   # tiny random models: a check in minutes
     python -m fly_load.fault_run --soak 500 --port 8011
 
@@ -152,7 +152,8 @@ def table(summary: dict) -> str:
 
 def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--profile", default="cpu-default", help="a name in deployments/ or a Serve config YAML")
+    # cpu-tp2: the CPU profile with a TP group and a drafter replica, so that both kills have a target
+    p.add_argument("--profile", default="cpu-tp2", help="a name in deployments/ or a Serve config YAML")
     p.add_argument("--tiny", action="store_true", help="tiny random models (a fast check of the run itself)")
     p.add_argument("--port", type=int, default=0, help="the server's port on 127.0.0.1 (0: a free one)")
     p.add_argument("--num-cpus", type=int, default=None, help="logical CPUs of the server's Ray")

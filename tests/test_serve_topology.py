@@ -1,4 +1,4 @@
-"""The CPU topology option (deployments/cpu-tp1.yaml's shape) through Ray Serve on tiny models:
+"""The CPU topology option (deployments/cpu-default.yaml's shape) through Ray Serve on tiny models:
 a TP = 1 target and the draft model in the ingress process (drafter_placement: ingress) give
 the in-process engine's outputs, with no drafter deployment."""
 

@@ -131,9 +131,16 @@ def through_serve(config: str, max_tokens: int, port: int, tiny: bool) -> dict:
                 chat(url, text, knobs, 8)  # warm-up
                 _, tokens, fly, wall = chat(url, text, knobs, max_tokens)
                 out[f"{method}/{name}"] = row(tokens, wall, fly)
-        texts = [chat(url, CODE, {}, 96)[0] for _ in range(REPEATS)]
-        texts.append(chat(url, CODE, {}, 96, stream=True)[0])
-        out["same_text"] = {"requests": len(texts), "distinct_texts": len(set(texts))}
+        runs = [chat(url, CODE, {}, 96) for _ in range(REPEATS)] + [chat(url, CODE, {}, 96, stream=True)]
+        texts = [r[0] for r in runs]
+        out["same_text"] = {
+            "requests": len(texts),
+            "distinct_texts": len(set(texts)),
+            "rounds": [r[2].get("rounds") for r in runs],  # a different plan shows here first
+            "first_difference_at": min(
+                (i for i in range(96 * 8) if len({t[i : i + 1] for t in texts}) > 1), default=None
+            ),
+        }
         out["stats"] = requests.get(f"{url}/v1/fly/stats", timeout=60).json()
         return out
 
