@@ -15,7 +15,8 @@ ROOT = Path(__file__).resolve().parent.parent
 DEPLOYMENTS = ROOT / "deployments"
 CLUSTER = ROOT / "cluster.yaml"
 GPU_WORKER = {"num_cpus": 2, "num_gpus": 1, "resources": {"fly_target_gpu": 1}}
-PROFILES = ["cpu-default.yaml", "llama-70b.yaml", "llama-405b.yaml"]
+PROFILES = ["cpu-default.yaml", "cpu-tp2.yaml", "llama-70b.yaml", "llama-405b.yaml"]
+TP_PROFILES = [p for p in PROFILES if p != "cpu-default.yaml"]  # tp_size > 1: their bundles are in the YAML
 
 
 def load(name):
@@ -109,7 +110,7 @@ def test_ray_and_serve_accept_the_bundles(worker, replica):
     )(Replica)
 
 
-@pytest.mark.parametrize("name", PROFILES)
+@pytest.mark.parametrize("name", TP_PROFILES)
 def test_yaml_bundles_equal_what_the_builder_computes(name):
     app, deps = load(name)
     target, args = deps["FlyTarget"], app["args"]
@@ -158,6 +159,13 @@ def test_render_llama_405b_needs_the_8gpu_node():
 
 def test_cpu_default_fits_two_cores():
     rendered = render_placement(DEPLOYMENTS / "cpu-default.yaml")
+    assert rendered["total"]["CPU"] <= 2
+    assert "GPU" not in rendered["total"]
+    assert rendered["applications"]["fly"]["deployments"]["FlyTarget"]["bundles"] is None  # TP=1: no group
+
+
+def test_cpu_tp2_fits_two_cores():
+    rendered = render_placement(DEPLOYMENTS / "cpu-tp2.yaml")
     assert rendered["total"]["CPU"] <= 2
     assert "GPU" not in rendered["total"]
     target = rendered["applications"]["fly"]["deployments"]["FlyTarget"]
