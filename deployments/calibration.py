@@ -23,12 +23,8 @@ def calibrate_served(engine: Engine, args: AppArgs) -> None:
     if config.speculation_profile is not None or not engine.defaults.auto_k:
         return
     key = calibration_key(
-        config.target,
-        config.drafter,
-        dtype=config.dtype,
-        drafter_precision=config.drafter_precision,
-        max_batch=config.max_batch,
-        k_max=engine.defaults.k_max,
+        config,
+        engine.defaults.k_max,
         tp_size=args.tp_size,
         target_threads=args.target_threads,
         drafter_threads=args.drafter_threads,

@@ -149,6 +149,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     stop = StopSignals()  # before Ray starts: a SIGTERM during start-up also stops cleanly
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    # Ray starts its workers at nice 15 to keep its own daemons responsive on a shared node; here
+    # the workers are the service, and on a CPU node a niced target replica loses a core's share
+    # to every waking daemon (its OMP threads then wait for each other). An operator's value wins.
+    os.environ.setdefault("RAY_worker_niceness", "0")
     # replicas import `deployments` and `fly_serve` from this checkout
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     import ray

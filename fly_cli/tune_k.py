@@ -30,6 +30,7 @@ import yaml
 
 from fly_serve.acceptance import expected_emitted
 from fly_serve.allocator import RowInfo
+from fly_serve.config import EngineConfig
 from fly_serve.cost_calibration import calibration_key, measure_profile, save_cached
 from fly_serve.round_cost import MODEL, CostProfile, RoundCostModel
 
@@ -330,27 +331,18 @@ def run(args: argparse.Namespace) -> TuneResult:
     check_settings(s)
     log = lambda msg: print(f"[tune-k] {msg}", file=sys.stderr, flush=True)
     max_batch = max(s.batch_sizes)
-    engine = build_engine(
-        args.target,
-        args.drafter,
+    config = EngineConfig(
+        target=args.target,
+        drafter=args.drafter,
         dtype=args.dtype,
         drafter_precision=args.drafter_precision,
         drafter_head_cut=args.drafter_head_cut,
         max_batch=max_batch,
         draft_min_confidence=args.draft_min_confidence,
-        calibrate=False,  # measured below, with this command's repetitions
-        progress=log,
     )
-    # The cache entry build_engine(k_max=s.k_max, max_batch=max_batch) of this pair reads.
-    key = calibration_key(
-        args.target,
-        args.drafter,
-        dtype=args.dtype,
-        drafter_precision=args.drafter_precision,
-        max_batch=max_batch,
-        k_max=s.k_max,
-        drafter_head_cut=args.drafter_head_cut,
-    )
+    # calibrate=False: measured below, with this command's repetitions
+    engine = build_engine(args.target, args.drafter, config=config, calibrate=False, progress=log)
+    key = calibration_key(config, s.k_max)  # the entry build_engine with this config and k_max reads
     prompts = calibration_prompts(engine.tokenizer, max(s.n_prompts, 1))
     steps = 2 * len(prompts) + 2 * len(s.batch_sizes)
     with tqdm(total=steps, desc="tune-k", file=sys.stderr, dynamic_ncols=True) as bar:

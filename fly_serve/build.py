@@ -174,13 +174,6 @@ def build_engine(
         progress,
     )
     if config.speculation_profile is None and (engine.defaults.auto_k if calibrate is None else calibrate):
-        key = calibration_key(
-            *names,
-            dtype=config.dtype,
-            drafter_precision=config.drafter_precision,
-            max_batch=config.max_batch,
-            k_max=engine.defaults.k_max,
-            drafter_head_cut=config.drafter_head_cut,
-        )
+        key = calibration_key(config, engine.defaults.k_max, target=names[0], drafter=names[1])
         calibrate_engine(engine, key, progress=progress)
     return engine

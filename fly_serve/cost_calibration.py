@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from .config import EngineConfig
 from .contracts import Drafts, Row
 from .round_cost import CostProfile, fit_per_forward
 from .weights import cache_dir
@@ -85,23 +86,24 @@ def model_name(model) -> str | None:
     return getattr(getattr(model, "config", None), "_name_or_path", None) or type(model).__name__
 
 
-def calibration_key(
-    target, drafter, *, dtype: str, drafter_precision: str, max_batch: int, k_max: int, **extra
-) -> dict:
-    """Everything a cost profile depends on. extra: the serving shape (tp_size, threads per
-    part, ...), whatever else the caller knows changes the curve."""
+def calibration_key(config: EngineConfig, k_max: int, *, target=None, drafter=None, **shape) -> dict:
+    """Everything a cost profile depends on, from the one config: the machine, the parts (the
+    config's names; target / drafter: a loaded part where the config has no name, named by
+    model_name), their precisions, the batch and k bounds, the versions. shape: the serving shape
+    (tp_size, threads per part, where the drafter runs ...), whatever else changes the curve."""
     from .loading import resolve_precision
 
     return {
         "machine": machine(),
-        "target": model_name(target),
-        "drafter": model_name(drafter),
-        "dtype": resolve_precision(dtype),
-        "drafter_precision": drafter_precision,
-        "max_batch": int(max_batch),
+        "target": model_name(config.target if target is None else target),
+        "drafter": model_name(config.drafter if drafter is None else drafter),
+        "dtype": resolve_precision(config.dtype),
+        "drafter_precision": config.drafter_precision,
+        "drafter_head_cut": config.drafter_head_cut,
+        "max_batch": int(config.max_batch),
         "k_max": int(k_max),
         "versions": versions(),
-        **({"extra": {k: extra[k] for k in sorted(extra)}} if extra else {}),
+        **({"extra": {k: shape[k] for k in sorted(shape)}} if shape else {}),
     }
 
 
@@ -267,5 +269,5 @@ def calibrate_engine(
         )
         if cache:
             progress(f"k auto: cost profile cached in {save_cached(key, profile)}")
-    engine.policy.set_profile(profile)
+    engine.policy.set_profile(profile, measured_here=True)  # frozen: no cost check (speculation_policy.py)
     return profile

@@ -10,7 +10,12 @@ The parts, one job each:
 Determinism. A row's plan reads the frozen cost model and the row's own acceptance history, and
 its probes (below) fall on the row's own round count: a greedy request sent alone twice gets the
 same ks round by round, whatever the clock measured. Only a new profile changes plans: an
-explicit recalibration (set_profile) or the cost check, which ignores noise below its tolerance.
+explicit recalibration (set_profile), or the cost check, which runs only while the profile was
+not measured where the engine runs (the uncalibrated default shape, or a profile given from
+elsewhere) and replaces it at most once. A profile measured here (cost_calibration.py) is frozen
+for the engine's life: its shape may differ from live rounds by more than the check's tolerance
+(short timing rows against long contexts), and a correction mid-service would change the plan,
+hence the text, of the next identical request.
 
 Exploration. A row the plan leaves at k = 0 for `probe_every` rounds in a row gets a probe round
 of min(probe_k, its cap) drafts (with no early stop; at most `max_probes` rows a round): its
@@ -50,6 +55,7 @@ class SpeculationPolicy:
         self.tracker = tracker or AcceptanceTracker()
         self.check = check if check is not None else CostCheck()
         self.probe_every, self.probe_k, self.max_probes = probe_every, probe_k, max_probes
+        self.frozen = False  # True: the cost check is off (a profile measured here, or corrected once)
         self.last: Plan | None = None  # the plan of the round last chosen (before probes)
         self._idle: dict[str, int] = {}  # rounds in a row the plan left each row at k = 0
         self._probing: set[str] = set()  # rows probed in the round last chosen
@@ -62,11 +68,13 @@ class SpeculationPolicy:
     def profile(self) -> CostProfile:
         return self.cost.profile
 
-    def set_profile(self, profile: CostProfile | dict) -> None:
+    def set_profile(self, profile: CostProfile | dict, *, measured_here: bool = False) -> None:
         """Install a new cost profile (a recalibration): the only way plans change for the same
-        request, besides the cost check."""
+        request, besides the cost check. measured_here: timed on this engine's own parts, so
+        frozen (the check stays off) until the next explicit call."""
         self.cost = RoundCostModel(profile)
         self.check.reset()
+        self.frozen = measured_here
 
     # ---- before a round
     def choose(self, rows: list[RowInfo]) -> list[int]:
@@ -136,12 +144,15 @@ class SpeculationPolicy:
             for key, n, f, m in zip(keys, drafted, per_row, model)
             if m and n > 0
         )
+        if self.frozen:
+            return
         better = self.check.observe(
             self.cost, sum(n + 1 for n in drafted), verify_s, forwards, rows_in_forwards, draft_s
         )
         if better is not None:
             log.info("k auto: measured rounds contradict the cost profile's shape; replaced by %s", better.to_dict())
             self.set_profile(better)
+            self.frozen = True  # once: from here on plans read this profile only
 
     def release(self, keys):
         for key in keys:

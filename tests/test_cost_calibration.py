@@ -8,6 +8,7 @@ import torch
 
 from fly_serve import cost_calibration as cc
 from fly_serve.build import build_engine
+from fly_serve.config import EngineConfig
 from fly_serve.params import Params
 from fly_serve.round_cost import CostProfile
 
@@ -23,9 +24,10 @@ def tiny_engine():
     return build_engine("tiny:0", "tiny:1", max_batch=2, calibrate=False, progress=lambda _: None)
 
 
-def key(**over):
-    args = dict(dtype="fp32", drafter_precision="int8", max_batch=2, k_max=3) | over
-    return cc.calibration_key("tiny:0", "tiny:1", **args)
+def key(k_max=3, **over):
+    fields = {f: over.pop(f) for f in ("dtype", "drafter_precision", "max_batch", "drafter_head_cut") if f in over}
+    config = EngineConfig("tiny:0", "tiny:1", **({"dtype": "fp32", "max_batch": 2} | fields))
+    return cc.calibration_key(config, k_max, **over)  # over: the serving shape
 
 
 def test_points_cover_one_row_up_to_k_max_then_whole_rows_up_to_max_batch():
@@ -77,6 +79,7 @@ def test_calibrate_engine_measures_once_then_reads_the_cache(tiny_engine, cache)
     lines = []
     first = cc.calibrate_engine(tiny_engine, key(), reps=1, progress=lines.append)
     assert tiny_engine.policy.profile is first and any("cached in" in line for line in lines)
+    assert tiny_engine.policy.frozen  # measured here: the cost check never replaces it
     entry = json.loads(cc.cache_path(key()).read_text())
     assert entry["key"]["machine"]["torch_threads"] == torch.get_num_threads()
     lines.clear()
@@ -95,6 +98,7 @@ def test_the_key_names_machine_models_precision_shape_and_versions():
         "drafter",
         "dtype",
         "drafter_precision",
+        "drafter_head_cut",
         "max_batch",
         "k_max",
         "versions",
@@ -102,8 +106,9 @@ def test_the_key_names_machine_models_precision_shape_and_versions():
     }
     assert {"cpu", "cpu_flags", "torch_threads", "gpu"} <= set(k["machine"])
     assert {"torch", "transformers", "fly-serve"} <= set(k["versions"])
-    hashes = {cc.key_hash(x) for x in (k, key(), key(dtype="bf16"), key(max_batch=8), key(drafter_precision="fp32"))}
-    assert len(hashes) == 5
+    others = (key(dtype="bf16"), key(max_batch=8), key(drafter_precision="fp32"), key(drafter_head_cut=1000))
+    hashes = {cc.key_hash(x) for x in (k, key(), key(k_max=4), *others)}
+    assert len(hashes) == 7
     assert cc.key_hash(key()) == cc.key_hash(key())
 
 

@@ -47,3 +47,35 @@ def test_drafter_in_the_ingress_gives_the_engines_outputs(url, mode):
     assert set(stats["timeline"]) >= {"ingress_wait", "draft_call", "draft_compute", "verify_call", "verify_compute"}
     if mode != "ar":
         assert stats["drafter_cache"]["forwards"] > 0  # the ingress's own draft model drafted
+
+
+def test_a_greedy_request_repeated_alone_gets_one_text_plain_or_streamed(url):
+    """k auto plans from the frozen cost profile and the row's own history, never from the clock:
+    the same greedy request sent alone, three times plain and once streamed, gets the same ks
+    round by round (so the same rounds and drafts) and one text (issue 19's served default)."""
+    import json
+
+    wait_ready(url)
+    body = {
+        "messages": [{"role": "user", "content": "count: one two three four"}],
+        "max_tokens": 40,
+        "temperature": 0,
+        "fly": {"mode": "fly", "k": "auto", "theta": 1.0},
+    }
+    plain = []
+    for _ in range(3):
+        r = requests.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        plain.append(r.json())
+    with requests.post(f"{url}/v1/chat/completions", json={**body, "stream": True}, stream=True, timeout=120) as r:
+        assert r.status_code == 200, r.text
+        lines = [x[len("data: ") :] for x in r.iter_lines(decode_unicode=True) if x]
+    assert lines[-1] == "[DONE]"
+    chunks = [json.loads(x) for x in lines[:-1]]
+    streamed = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+    texts = {o["choices"][0]["message"]["content"] for o in plain} | {streamed}
+    assert len(texts) == 1 and texts != {""}
+    plans = {(o["fly"]["rounds"], o["fly"]["drafted"], o["fly"]["accepted"]) for o in plain}
+    plans.add((chunks[-1]["fly"]["rounds"], chunks[-1]["fly"]["drafted"], chunks[-1]["fly"]["accepted"]))
+    assert len(plans) == 1, plans
+    assert plain[0]["fly"]["drafted"] > 0  # k auto drafted (its probes at least): the plans were really compared

@@ -433,6 +433,26 @@ def test_a_wrong_seed_corrects_itself_where_drafting_pays():
     assert np.mean([ks[0] for ks in history[-20:]]) >= 4  # and it keeps drafting
 
 
+def test_the_check_corrects_once_and_never_touches_a_profile_measured_here():
+    """A profile from elsewhere is corrected at most once (then plans read that one only); a
+    profile measured on this engine's parts is frozen even where live rounds contradict its shape
+    (issue 19: a correction mid-service changed the plan, hence the text, of the next request)."""
+    verify = lambda n: 0.1 + 0.002 * n
+    draft = lambda f, rf: 0.01 * f + 0.001 * rf
+    policy = SpeculationPolicy.from_profile(WRONG_SEED)
+    run_policy(policy, {"r": 0.8}, verify, draft, 60)
+    corrected = policy.profile
+    assert policy.check.corrections == 1 and policy.frozen
+    run_policy(policy, {"s": 0.8}, lambda n: 0.3 + 0.2 * n, draft, 40)  # a new shape: ignored now
+    assert policy.check.corrections == 1 and policy.profile is corrected
+
+    here = SpeculationPolicy.from_profile(None)
+    here.set_profile(WRONG_SEED, measured_here=True)
+    history = run_policy(here, {"r": 0.8}, verify, draft, 60)
+    assert here.check.corrections == 0 and here.profile.source == WRONG_SEED.source
+    assert {ks[0] for ks in history} == {0, here.probe_k}  # the seed's plan, probes on the row's count
+
+
 def test_probes_only_where_drafting_does_not_pay():
     """The same seed on a machine uniformly twice as slow, with a poor drafter: plain decoding,
     one probe round every probe_every + 1 rounds, by the row's own round count."""
