@@ -14,13 +14,14 @@ import os
 import signal
 import time
 
+import psutil
 import pytest
 import requests
 from serve_fixture import start_serve, stop_serve
 
 from fly_load.client import CLIENT_TIMEOUT_S
 from fly_load.fuzz import fuzz_app
-from fly_load.procs import alive, kill_ours, replica_pids
+from fly_load.procs import alive, app_processes, kill_ours, replica_pids
 from fly_load.scenarios import App, drafter_kill, sigterm_drain, tp_rank_kill
 from fly_load.server import ServeProcess
 from fly_load.waits import until
@@ -54,6 +55,9 @@ def test_sigterm_lets_in_flight_requests_finish():
     server = ServeProcess(tiny=True, grace_s=GRACE_S)
     try:
         assert server.wait_for("fly-serve: ready", START_TIMEOUT_S), "\n".join(server.lines[-40:])
+        # the replicas run at the server's priority, not Ray's default nice 15 for workers (launch.py)
+        replicas = [pid for pid, name in app_processes(server.proc.pid).items() if name.startswith("ServeReplica")]
+        assert replicas and {psutil.Process(pid).nice() for pid in replicas} == {os.nice(0)}
         d = sigterm_drain(server, LONG_TOKENS, GRACE_S + SHUTDOWN_S)
     finally:
         server.kill_group()
