@@ -36,6 +36,9 @@ class Row:
     # drafts are a bet on the target's verdict: a later call whose tokens drop them rewinds the
     # row's random stream to before them.
     peek: bool = False
+    # The last `guessed` tokens are drafts not yet verified (a draft-ahead row carries this round's
+    # drafts): a sender of row suffixes counts only the tokens before them as sent (row_history.py).
+    guessed: int = 0
 
     @property
     def sampled(self) -> bool:

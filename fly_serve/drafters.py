@@ -151,15 +151,17 @@ class ModelDrafter:
         return out, guesses
 
     def _settle_bets(self, rows: list[Row]) -> None:
-        """Rewind the stream of a row whose ahead drafts were dropped: its tokens do not continue
-        the bet (or the ahead call never finished), so the draws they took never happened for the
-        sequence, exactly as the drafter drafting one round at a time would have drawn."""
+        """Rewind the stream of a row whose ahead drafts were not used, so the draws they took
+        never happened for the sequence, exactly as drafting one round at a time draws. They were
+        used only if the row's tokens now continue past the guess (its next round ran on them);
+        tokens that leave the guess (a lost bet), tokens equal to it (the caller drafts that round
+        again: its ahead call failed on the way back) and a call that never finished rewind."""
         for r in rows:
             bet = self.bets.pop(r.key, None)
             if bet is None:
                 continue
             state, guess = bet
-            if guess is None or r.tokens[: len(guess)] != guess:
+            if guess is None or len(r.tokens) <= len(guess) or r.tokens[: len(guess)] != guess:
                 self.generators.get(r).set_state(state)
 
     def _step(self, rows: list[Row], drafts: list[list[int]], qs: list[list]) -> set[int]:

@@ -335,7 +335,7 @@ class Engine:
             k = self._next_k(req, row.k, len(d) + 1)
             if k > 0 and bets(row, req.params.mode_spec.drafter) and not self.eos_ids.intersection(d):
                 idx.append(b)
-                bet_rows.append(replace(row, tokens=row.tokens + d, k=k, peek=True))
+                bet_rows.append(replace(row, tokens=row.tokens + d, k=k, peek=True, guessed=len(d)))
         if not idx:
             return []
         try:
