@@ -33,6 +33,7 @@ def calibrate_served(engine: Engine, args: AppArgs) -> None:
         target_threads=args.target_threads,
         drafter_threads=args.drafter_threads,
         drafter_placement=args.drafter_placement,
+        **({"draft_ahead": True} if engine.stages is not None else {}),
     )
     try:
         calibrate_engine(engine, key, progress=lambda line: log.info("fly: calibrating k auto: %s", line))

@@ -191,6 +191,8 @@ def build_engine(
             max_batch=config.max_batch,
             k_max=engine.defaults.k_max,
             drafter_head_cut=config.drafter_head_cut,
+            # draft-ahead's curves are timed with both sides busy (measure_profile's stages)
+            **({"draft_ahead": True} if engine.stages is not None else {}),
         )
         calibrate_engine(engine, key, progress=progress)
     return engine

@@ -20,6 +20,7 @@ The model-free modes (pld, suffix, recycle) draft in microseconds: nothing to hi
   Stages  the drafter's thread and the target's thread, each with its own torch thread budget
 """
 
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -98,6 +99,24 @@ class Stages:
         verdict, verify_s = v.result()
         idle_drafter, idle_target = max(0.0, verify_s - ahead_s), max(0.0, ahead_s - verify_s)
         return Overlap(verdict, ahead_out, verify_s, ahead_s, idle_drafter, idle_target)
+
+    def under_load(self, side: str, fn, load):
+        """fn() on `side`'s thread ("draft" or "verify") while load() runs over and over on the
+        other's: draft-ahead's cost curves (cost_calibration.measure_profile) time each side as
+        it runs in a round, beside the other."""
+        stop = threading.Event()
+
+        def busy():
+            while not stop.is_set():
+                load()
+
+        mine, other = (self._drafter, self._target) if side == "draft" else (self._target, self._drafter)
+        loaded = other.submit(busy)
+        try:
+            return mine.submit(fn).result()
+        finally:
+            stop.set()
+            loaded.result()
 
     def close(self) -> None:
         self._drafter.shutdown(wait=False)
