@@ -120,12 +120,24 @@ class Engine:
         self.policy = SpeculationPolicy.from_profile(speculation_profile)
         # Draft-ahead: the drafter's and the target's threads (their torch thread budgets; 0: the
         # process's), each row's drafts for its next round, and k "auto" costing the overlap.
-        self.stages = Stages(draft_threads, verify_threads) if draft_ahead and drafter is not None else None
-        self.ahead: dict[str, Ahead] = {}
-        self.policy.overlap = self.stages is not None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._ids = itertools.count()
+        self.stages: Stages | None = None
+        self.ahead: dict[str, Ahead] = {}
+        self.set_draft_ahead(draft_ahead, draft_threads, verify_threads)
+
+    def set_draft_ahead(self, on: bool, draft_threads: int = 0, verify_threads: int = 0) -> None:
+        """Draft-ahead on or off, with each side's torch threads (0: the process's), while no
+        request runs (EngineConfig.draft_ahead at start; a benchmark switches it between runs)."""
+        if self.running:
+            raise RuntimeError("draft-ahead is switched only while no request runs")
+        if self.stages is not None:
+            self.stages.close()
+        on = on and self.drafters["model"] is not None
+        self.stages = Stages(draft_threads, verify_threads) if on else None
+        self.ahead.clear()
+        self.policy.overlap = on
 
     # ---- requests in and out
     def add(
