@@ -263,7 +263,9 @@ class Engine:
 
     def _round(self, batch: list[Request]) -> RoundResult:
         """Draft, verify, decide and commit for these requests; nothing is committed unless all
-        of it succeeds."""
+        of it succeeds. With draft-ahead, a pipeline of two stages: rows whose bet won take the
+        drafts made during the last round, the others draft now; while the target verifies, the
+        drafter drafts the next round (_verify); after the commit the bets are settled (_settle)."""
         rows = [self._row(r) for r in batch]
         held = self._held(batch, rows)
         self._choose_ks(batch, rows, held)

@@ -16,9 +16,11 @@ APP = {"tiny": True, "tp_size": 1, "max_batch": 4, "draft_ahead": True, "default
 PROMPTS = ["def add(a, b):\n    return", "hello hello hello"]
 
 
-@pytest.fixture(scope="module")
-def url():
-    base = start_serve(APP)
+@pytest.fixture(scope="module", params=["replica", "ingress"])
+def url(request):
+    """The drafter pool (two remote calls in flight together) and the drafter in the ingress
+    (cpu-default.yaml's shape: it drafts on the engine's drafter thread during the remote verify)."""
+    base = start_serve({**APP, "drafter_placement": request.param})
     yield base
     stop_serve()
 
