@@ -218,3 +218,33 @@ def test_overlapped_cost_picks_k_where_drafting_meets_verification():
     # and the predicted round agrees: past the meeting point a draft costs its whole 0.1 s
     at = lambda k: cost.round_s([k], rows, overlap=True)  # noqa: E731
     assert at(together + 4) - at(together + 3) > 0.09 and at(4) - at(3) < 0.05
+
+
+class FailingEveryThirdVerify:
+    """The real scorer whose every third verify fails (the round is retried while its ahead
+    drafts were made, and the drafts it held from the round before are used again)."""
+
+    def __init__(self, scorer):
+        self.scorer, self.calls, self.failed, self.vocab_size = scorer, 0, 0, scorer.vocab_size
+
+    def verify(self, rows, drafts):
+        self.calls += 1
+        if self.calls % 3 == 0:
+            self.failed += 1
+            raise RuntimeError("injected fault")
+        return self.scorer.verify(rows, drafts)
+
+    def release(self, keys):
+        self.scorer.release(keys)
+
+
+@pytest.mark.parametrize("params", [dict(mode="fly", theta=0.0, window=1, k=4), dict(mode="spd", k=3)])
+def test_a_failed_verify_is_retried_with_the_same_bets(params):
+    """Greedy: a retried round drafts again in the sequential engine too, so at T > 0 a retry
+    draws anew in either engine (as before draft-ahead) and only greedy outputs are compared."""
+    seq, _ = run(False, params)
+    eng = engine(True)
+    eng.scorer = FailingEveryThirdVerify(eng.scorer)
+    reqs = eng.generate(PROMPTS, dict(max_tokens=24, **params))
+    assert [r.generated for r in reqs] == seq and eng.scorer.failed >= 2
+    assert sum(hits(reqs)) > 0
