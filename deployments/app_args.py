@@ -57,6 +57,8 @@ class AppArgs(BaseModel):
     drafter_threads: int | None = None
     tp_worker_options: dict = DEFAULT_TP_WORKER_OPTIONS  # Ray actor options of each TP rank (GPUs too)
     speculation_profile: dict | None = None  # k "auto"'s round cost model, as `fly-serve tune-k` writes it
+    # the drafter drafts the next round while the target verifies this one (fly_serve/draft_ahead.py)
+    draft_ahead: bool = False
     # Tokens each KV cache holds, all sequences together (the target's, on every TP rank alike, and
     # the drafter's); requests are admitted within it. None: max_batch sequences of 4096 tokens.
     kv_budget_tokens: int | None = Field(None, ge=KV_BLOCK_TOKENS)
@@ -102,6 +104,7 @@ class AppArgs(BaseModel):
             kv_budget_tokens=self.kv_budget_tokens,
             target_kv_budget_tokens=self.target_kv_budget_tokens,
             drafter_kv_budget_tokens=self.drafter_kv_budget_tokens,
+            draft_ahead=self.draft_ahead,
         )
 
     @property

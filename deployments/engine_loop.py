@@ -39,12 +39,37 @@ class Update:
 
 # A round's timeline, in order: the loop's own time before it (inbox, admissions), the drafter call
 # and what the drafter computed of it, the target call and its compute, the decision, the hand-out
-# of text to the requests.
-TIMELINE = ("ingress_wait", "draft_call", "draft_compute", "verify_call", "verify_compute", "decide", "publish")
+# of text to the requests. With draft-ahead (fly_serve/draft_ahead.py) the drafter's call for the
+# next round runs during verify_call ("ahead_call"), and each side may wait for the other:
+# "verify_wait" the drafter idle until the verdict, "draft_wait" the verdict idle until the ahead
+# drafts (only draft_wait adds to the round).
+TIMELINE = (
+    "ingress_wait",
+    "draft_call",
+    "draft_compute",
+    "verify_call",
+    "verify_compute",
+    "ahead_call",
+    "verify_wait",
+    "draft_wait",
+    "decide",
+    "publish",
+)
 
 
 def round_timeline(r: RoundResult) -> dict[str, float]:
-    seconds = (r.ingress_wait_s, r.draft_s, r.draft_compute_s, r.verify_s, r.verify_compute_s, r.decide_s, r.publish_s)
+    seconds = (
+        r.ingress_wait_s,
+        r.draft_s,
+        r.draft_compute_s,
+        r.verify_s,
+        r.verify_compute_s,
+        r.ahead_s,
+        r.verify_wait_s,
+        r.draft_wait_s,
+        r.decide_s,
+        r.publish_s,
+    )
     return dict(zip(TIMELINE, seconds))
 
 
@@ -143,6 +168,9 @@ class EngineLoop:
                 "accepted": r.accepted,
                 "loosely_accepted": r.loosely_accepted,
                 "emitted": r.emitted,
+                "ahead_hits": r.ahead_hits,
+                "ahead_misses": r.ahead_misses,
+                "ahead_dropped": r.ahead_dropped,
             },
         }
 

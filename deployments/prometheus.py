@@ -37,6 +37,12 @@ class ServingMetrics:
             "Draft tokens kept by FLy's entropy gate and window despite a mismatch.",
         )
         self.emitted = c("fly_spec_decode_num_emitted_tokens", "Tokens committed (drafts + target token).")
+        # draft-ahead (fly_serve/draft_ahead.py); the waits are phases of fly_round_phase_seconds
+        self.ahead_hits = c(
+            "fly_draft_ahead_hits", "Rows whose next drafts were made while their round was verified, and kept."
+        )
+        self.ahead_misses = c("fly_draft_ahead_misses", "Rows whose ahead drafts were dropped (the verdict differed).")
+        self.ahead_dropped = c("fly_draft_ahead_dropped_tokens", "Ahead draft tokens thrown away with the misses.")
         self.finished = c("fly_num_requests_finished", "Finished requests.", tag_keys=("finish_reason",))
         self.mean_len = metrics.Gauge(
             "fly_spec_decode_mean_acceptance_length", "Tokens committed per sequence per round since start (tau)."
@@ -72,6 +78,9 @@ class ServingMetrics:
         inc(self.accepted, r.accepted)
         inc(self.loose, r.loosely_accepted)
         inc(self.emitted, r.emitted)
+        inc(self.ahead_hits, r.ahead_hits)
+        inc(self.ahead_misses, r.ahead_misses)
+        inc(self.ahead_dropped, r.ahead_dropped)
         self.seq_rounds += r.batch_size
         self.total_emitted += r.emitted
         self.mean_len.set(self.total_emitted / self.seq_rounds)

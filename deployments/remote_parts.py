@@ -133,6 +133,10 @@ class RemoteDrafter:
             out.compute_s = max(out.compute_s or 0.0, got.compute_s or 0.0)
             for j, i in enumerate(idx):
                 out.tokens[i], out.q[i] = got.tokens[j], got.q[j]
+            if got.guesses is not None:  # draft-ahead rows (Row.peek): the drafter's own next tokens
+                out.guesses = out.guesses or [None] * len(rows)
+                for j, i in enumerate(idx):
+                    out.guesses[i] = got.guesses[j]
             if got.row_forwards is not None:  # k auto's per-row cost (MLA drafts some rows for free)
                 out.row_forwards = out.row_forwards or [0] * len(rows)
                 for j, i in enumerate(idx):

@@ -149,12 +149,15 @@ def profile_yaml(profile: CostProfile, header: str = "") -> str:
 
 
 # ---- the table
-def expected_curve(cost: RoundCostModel, acceptance: float, tokens_per_forward: float, batch: int, k_max: int):
-    """Expected tokens/s of a batch whose every row drafts k, for k = 0..k_max."""
+def expected_curve(
+    cost: RoundCostModel, acceptance: float, tokens_per_forward: float, batch: int, k_max: int, overlap=False
+):
+    """Expected tokens/s of a batch whose every row drafts k, for k = 0..k_max (overlap: rounds
+    with draft-ahead, round_cost.py)."""
     rates = []
     for k in range(k_max + 1):
         rows = [RowInfo(f"r{b}", k, MODEL, acceptance, tokens_per_forward) for b in range(batch)]
-        rates.append(batch * expected_emitted(k, acceptance) / cost.round_s([k] * batch, rows))
+        rates.append(batch * expected_emitted(k, acceptance) / cost.round_s([k] * batch, rows, overlap))
     return rates
 
 
@@ -202,13 +205,15 @@ class BatchRow:
         return self.spd_rates[self.spd_best_k] / self.spd_rates[0]
 
 
-def batch_rows(profile: CostProfile, fly: Calibration, spd: Calibration, batch_sizes: list[int], k_max: int):
+def batch_rows(
+    profile: CostProfile, fly: Calibration, spd: Calibration, batch_sizes: list[int], k_max: int, overlap=False
+):
     cost = RoundCostModel(profile)
     return [
         BatchRow(
             b,
-            expected_curve(cost, fly.acceptance, fly.tokens_per_forward, b, k_max),
-            expected_curve(cost, spd.acceptance, spd.tokens_per_forward, b, k_max),
+            expected_curve(cost, fly.acceptance, fly.tokens_per_forward, b, k_max, overlap),
+            expected_curve(cost, spd.acceptance, spd.tokens_per_forward, b, k_max, overlap),
         )
         for b in batch_sizes
     ]
@@ -310,6 +315,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="smoke run: batch 1 and 2, k 0/1/3, 1 rep, 8 tokens")
     p.add_argument("--out", default=None, help="write the YAML here (default: stdout, after the table)")
     p.add_argument("--no-cache", action="store_true", help="do not write the cost-profile cache entry")
+    p.add_argument(
+        "--draft-ahead",
+        action="store_true",
+        help="profile draft-ahead: each side's curve timed while the other works, rounds costed as overlapped",
+    )
 
 
 def check_settings(s: Settings) -> None:
@@ -339,6 +349,7 @@ def run(args: argparse.Namespace) -> TuneResult:
         drafter_head_cut=args.drafter_head_cut,
         max_batch=max_batch,
         draft_min_confidence=args.draft_min_confidence,
+        draft_ahead=args.draft_ahead,
     )
     # calibrate=False: measured below, with this command's repetitions
     engine = build_engine(args.target, args.drafter, config=config, calibrate=False, progress=log)
@@ -347,13 +358,19 @@ def run(args: argparse.Namespace) -> TuneResult:
     steps = 2 * len(prompts) + 2 * len(s.batch_sizes)
     with tqdm(total=steps, desc="tune-k", file=sys.stderr, dynamic_ncols=True) as bar:
         curves = measure_profile(
-            engine.scorer, engine.drafters["model"], k_max=s.k_max, max_batch=max_batch, reps=s.reps, progress=bar.write
+            engine.scorer,
+            engine.drafters["model"],
+            k_max=s.k_max,
+            max_batch=max_batch,
+            reps=s.reps,
+            progress=bar.write,
+            stages=engine.stages,  # --draft-ahead: each side timed while the other works
         )
         fly = calibrate(engine, prompts, "fly", s.k_max, s.max_tokens, bar)
         spd = calibrate(engine, prompts, "spd", s.k_max, s.max_tokens, bar)
         overhead = statistics.median([fly.overhead_s, spd.overhead_s])
         profile = dataclasses.replace(curves, overhead_s=overhead, source="fly-serve tune-k")
-        rows = batch_rows(profile, fly, spd, s.batch_sizes, s.k_max)
+        rows = batch_rows(profile, fly, spd, s.batch_sizes, s.k_max, overlap=engine.stages is not None)
         for r in rows:
             r.measured = measure_speedup(engine, prompts, r.batch, r.measured_k, s.measure_tokens, bar)
     header = (

@@ -70,6 +70,14 @@ class AcceptanceTracker:
         for key, n, m, f in zip(keys, drafted, kept, forwards):
             self.observe(key, n, m, f)
 
+    def observe_guess(self, key: str, hit: bool):
+        """Draft-ahead: a round kept all its drafts, and the bonus was (hit) or was not the drafter's
+        own next token, the guess the ahead drafts were made on. It is one more draft of the round,
+        kept or rejected, so it counts as one (no ageing: it belongs to the round just observed)."""
+        ev = self.rows.setdefault(key, _Evidence())
+        ev.kept += hit
+        ev.rejected += not hit
+
     def estimate(self, key: str) -> float:
         """Per-token acceptance in [0, 1); a row never seen gets the prior."""
         ev = self.rows.get(key)

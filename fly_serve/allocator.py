@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .round_cost import KINDS, MODEL, NONE, RoundCostModel, tokens_per_forward
+from .round_cost import KINDS, MODEL, NONE, RoundCostModel, hit_chance, overlapped_s, tokens_per_forward
 
 _TINY = 1e-12
 
@@ -45,7 +45,7 @@ class Plan:
         return self.tokens / self.seconds if self.seconds > 0 else math.inf
 
 
-def plan(rows: list[RowInfo], cost: RoundCostModel, max_iter: int = 12) -> Plan:
+def plan(rows: list[RowInfo], cost: RoundCostModel, max_iter: int = 12, overlap: bool = False) -> Plan:
     """The ks maximizing expected tokens / predicted seconds of the round.
 
     The greedy by marginal tokens per marginal second starts every row at k = 0, adds the
@@ -69,6 +69,10 @@ def plan(rows: list[RowInfo], cost: RoundCostModel, max_iter: int = 12) -> Plan:
     (a kink of a curved verify(n) that the thresholds jump over), the greedy's own single steps,
     one draft more or one less for one row, are tried before stopping. Exact on brute force for
     linear and convex verify(n); on a non-convex one it may stop at a local optimum.
+
+    overlap: draft-ahead's round cost (round_cost.py): max(draft, verify) plus the lost bets'
+    drafting. The candidates are costed exactly by it, so the uniform start finds the k where
+    drafting meets verification.
     """
     B = len(rows)
     if B == 0:
@@ -111,7 +115,13 @@ def plan(rows: list[RowInfo], cost: RoundCostModel, max_iter: int = 12) -> Plan:
         """Exact tokens / seconds of allocations k [..., B] -> (rate, seconds) [...]."""
         f = k * per_forward
         forwards = np.ceil(f.max(-1) - 1e-9)
-        seconds = cost.overhead_s + verify[k.sum(-1)] + (e + c * forwards) * (forwards > 0) + d * f.sum(-1)
+        shared = (e + c * forwards) * (forwards > 0)
+        if overlap:
+            peek = (c + d * (model & (k > 0)).sum(-1)) * (forwards > 0)
+            work = overlapped_s(verify[k.sum(-1)], shared, d * f, hit_chance(k, a, model), peek)
+            seconds = cost.overhead_s + work
+        else:
+            seconds = cost.overhead_s + verify[k.sum(-1)] + shared + d * f.sum(-1)
         return (B + flat[base + k].sum(-1)) / np.maximum(seconds, _TINY), seconds
 
     def best_of(k):

@@ -86,6 +86,9 @@ def assemble_engine(
         max_model_len=min(config.max_model_len, model_config.max_position_embeddings),
         defaults=config.params(),
         speculation_profile=config.speculation_profile,
+        draft_ahead=config.draft_ahead,
+        draft_threads=config.draft_threads,
+        verify_threads=config.verify_threads,
     )
 
 
@@ -109,6 +112,9 @@ def build_engine(
     device=None,
     calibrate: bool | None = None,
     progress=print,
+    draft_ahead: bool = False,
+    draft_threads: int = 0,
+    verify_threads: int = 0,
 ) -> Engine:
     """target / drafter: a model name (loading.py) or a loaded model; drafter None: no draft
     model (model-free modes only). With a loaded target, pass its tokenizer. `config`: every
@@ -122,7 +128,8 @@ def build_engine(
     k "auto"'s cost profile: speculation_profile if given (an override), else measured here
     (cost_calibration.py; cached per machine, models and versions) when calibrate is True, or
     None and the defaults use k "auto"; otherwise the uncalibrated default shape, which the
-    policy's cost check corrects from the first rounds (calibrate_engine can still be called)."""
+    policy's cost check corrects from the first rounds (calibrate_engine can still be called).
+    draft_ahead, draft_threads, verify_threads: EngineConfig's (draft_ahead.py)."""
     if config is None:
         config = EngineConfig(
             dtype=dtype,
@@ -136,6 +143,9 @@ def build_engine(
             kv_budget_tokens=kv_budget_tokens,
             target_kv_budget_tokens=target_kv_budget_tokens,
             drafter_kv_budget_tokens=drafter_kv_budget_tokens,
+            draft_ahead=draft_ahead,
+            draft_threads=draft_threads,
+            verify_threads=verify_threads,
         )
     check_head_cut(config.drafter_head_cut, "drafter_head_cut")
     names = model_name(target), model_name(drafter)  # for the calibration's key, before loading

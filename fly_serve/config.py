@@ -26,6 +26,12 @@ class EngineConfig:
     kv_budget_tokens: int | None = None
     target_kv_budget_tokens: int | None = None
     drafter_kv_budget_tokens: int | None = None
+    # Draft-ahead (draft_ahead.py): the drafter drafts the next round while the target verifies
+    # this one, on two threads; outputs are unchanged. draft_threads / verify_threads: each
+    # side's torch threads (0: the process's setting).
+    draft_ahead: bool = False
+    draft_threads: int = 0
+    verify_threads: int = 0
 
     def params(self) -> Params:
         return Params.from_dict(self.defaults)

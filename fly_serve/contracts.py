@@ -31,6 +31,14 @@ class Row:
     # The position of tokens[0] in the sequence: a part in another process gets only the tokens
     # it does not hold yet (row_history.py); 0: tokens is the whole sequence.
     start: int = 0
+    # Draft-ahead (draft_ahead.py): before drafting, extend tokens by the drafter's own next token
+    # (its argmax, no random draw) and draft k after it; Drafts.guesses gets that token. The
+    # drafts are a bet on the target's verdict: a later call whose tokens drop them rewinds the
+    # row's random stream to before them.
+    peek: bool = False
+    # The last `guessed` tokens are drafts not yet verified (a draft-ahead row carries this round's
+    # drafts): a sender of row suffixes counts only the tokens before them as sent (row_history.py).
+    guessed: int = 0
 
     @property
     def sampled(self) -> bool:
@@ -50,6 +58,8 @@ class Drafts:
     # seconds the drafter computed, as a replica reports it (the round's call time minus this is
     # transport); None: drafted in the caller's process, so the call is the compute
     compute_s: float | None = None
+    # per row, the drafter's own next token a peeking row (Row.peek) drafted after; None elsewhere
+    guesses: list[int | None] | None = None
 
     @classmethod
     def empty(cls, n_rows: int) -> "Drafts":
@@ -130,6 +140,18 @@ class RoundResult:
     emitted: int = 0
     failed: list = field(default_factory=list)  # Requests this round ended with an error
     drafter_fallback: bool = False  # the model drafter failed; its rows drafted by prompt lookup
+    # Draft-ahead (draft_ahead.py): rows whose drafts were made while the round before was verified
+    # (hits) or had to be made again (misses), the drafts thrown away with the misses, and the
+    # drafts made ahead for the next round. ahead_s: the drafter's ahead call; the waits: how long
+    # each side sat idle while the other finished (verify_wait_s: the drafter waiting for the
+    # verdict; draft_wait_s: the verdict waiting for the ahead drafts).
+    ahead_hits: int = 0
+    ahead_misses: int = 0
+    ahead_dropped: int = 0
+    ahead_drafted: int = 0
+    ahead_s: float = 0.0
+    verify_wait_s: float = 0.0
+    draft_wait_s: float = 0.0
 
     @property
     def batch_size(self) -> int:
@@ -153,5 +175,12 @@ class RoundResult:
             "accepted",
             "loosely_accepted",
             "emitted",
+            "ahead_hits",
+            "ahead_misses",
+            "ahead_dropped",
+            "ahead_drafted",
+            "ahead_s",
+            "verify_wait_s",
+            "draft_wait_s",
         ):
             setattr(self, name, getattr(self, name) + getattr(other, name))

@@ -17,6 +17,7 @@ The timing rows are dummies (random token ids, a short context) under their own 
 is released afterwards, so the requests that follow have the whole cache.
 """
 
+import functools
 import hashlib
 import importlib.metadata as md
 import json
@@ -25,6 +26,7 @@ import os
 import platform
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -40,6 +42,7 @@ FORMAT = 1  # bump when what a profile means changes: older cache entries are th
 DRAFT_K = 4  # drafts per row of the drafter's long call (the short one drafts 1)
 CONTEXT_TOKENS = 16  # context of each timing row: a verify feeds its last token and drafts only
 KEY_PREFIX = "calibrate-"
+LOAD_KEY = KEY_PREFIX + "load"  # the row that keeps the other side busy (draft-ahead's curves)
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "amx_int8", "avx512_vnni")
 
 
@@ -103,6 +106,8 @@ def calibration_key(config: EngineConfig, k_max: int, *, target=None, drafter=No
         "max_batch": int(config.max_batch),
         "k_max": int(k_max),
         "versions": versions(),
+        # draft-ahead's curves are timed with both sides busy (measure_profile's stages)
+        **({"draft_ahead": [config.draft_threads, config.verify_threads]} if config.draft_ahead else {}),
         **({"extra": {k: shape[k] for k in sorted(shape)}} if shape else {}),
     }
 
@@ -194,9 +199,20 @@ def time_draft(drafter, rows: list[Row], reps: int) -> tuple[float, float]:
     return per_forward, max(t_lo - f_lo * per_forward, 0.0)
 
 
-def measure_profile(scorer, drafter, *, k_max: int, max_batch: int, reps: int = 2, progress=print) -> CostProfile:
+def _under(stages, side: str, load, fn, *args):
+    """fn(*args) (a timing), alone, or with draft-ahead's stages on `side`'s thread while the
+    other side works (draft_ahead.Stages.under_load)."""
+    return fn(*args) if stages is None else stages.under_load(side, functools.partial(fn, *args), load)
+
+
+def measure_profile(
+    scorer, drafter, *, k_max: int, max_batch: int, reps: int = 2, progress=print, stages=None
+) -> CostProfile:
     """Time the target (and the drafter, if any) through their protocols; a progress line per
-    point. The timing rows are released from both parts afterwards."""
+    point. The timing rows are released from both parts afterwards. stages (draft_ahead.Stages,
+    an engine with draft-ahead): each side is timed on its own thread while the other side works
+    on its own (a drafter drafting one row, a target verifying one row of k_max drafts), so the
+    curves are what a draft-ahead round sees when the two share the machine."""
     started = time.perf_counter()
     vocab = scorer.vocab_size
     points = verify_points(k_max, max_batch)
@@ -207,8 +223,18 @@ def measure_profile(scorer, drafter, *, k_max: int, max_batch: int, reps: int = 
         scorer.verify(rows, Drafts.empty(len(rows)))  # prefill every timing row once (untimed)
         scorer.verify(rows[:1], _random_drafts(rows[:1], 1, vocab, gen))  # first-call warm-up
         tokens, seconds = [], []
+        load_gen = torch.Generator().manual_seed(1)
+        stages = stages if drafter is not None else None
+        load_row = replace(rows[0], key=LOAD_KEY)
+
+        def draft_load():
+            drafter.propose([replace(load_row, k=DRAFT_K)])
+
+        def verify_load():
+            scorer.verify([load_row], _random_drafts([load_row], k_max, vocab, load_gen))
+
         for i, (b, k) in enumerate(points, 1):
-            t = time_verify(scorer, rows[:b], k, reps, gen)
+            t = _under(stages, "verify", draft_load, time_verify, scorer, rows[:b], k, reps, gen)
             tokens.append(b * (k + 1))
             seconds.append(t)
             progress(
@@ -218,7 +244,7 @@ def measure_profile(scorer, drafter, *, k_max: int, max_batch: int, reps: int = 
         if drafter is not None:
             per_round = []
             for b in sorted({1, max_batch}):
-                per_forward, extra = time_draft(drafter, rows[:b], reps)
+                per_forward, extra = _under(stages, "draft", verify_load, time_draft, drafter, rows[:b], reps)
                 draft_rows.append(b)
                 draft_seconds.append(per_forward)
                 per_round.append(extra)
@@ -228,7 +254,7 @@ def measure_profile(scorer, drafter, *, k_max: int, max_batch: int, reps: int = 
     finally:
         for part in (scorer, drafter):
             if part is not None:
-                part.release(keys)
+                part.release([*keys, LOAD_KEY])
     took = time.perf_counter() - started
     progress(f"calibrating k auto: done in {took:.1f} s")
     return CostProfile(
@@ -243,6 +269,7 @@ def measure_profile(scorer, drafter, *, k_max: int, max_batch: int, reps: int = 
             "draft_rows": draft_rows,
             "draft_seconds": [float(f"{s:.6g}") for s in draft_seconds],
             "took_s": round(took, 2),
+            **({"overlap": True} if stages is not None else {}),
         },
     )
 
@@ -266,6 +293,7 @@ def calibrate_engine(
             max_batch=int(key["max_batch"]),
             reps=reps,
             progress=progress,
+            stages=engine.stages,  # draft-ahead: each side timed while the other works
         )
         if cache:
             progress(f"k auto: cost profile cached in {save_cached(key, profile)}")

@@ -14,7 +14,13 @@ ModelDrafter  a small model with its own KV cache. With MLA (multi-level acceler
   likeliest-right source first (the row's own text, then earlier requests, then the recycled
   top-1 chain, which nearly always proposes something). The drafter verifies whichever it uses,
   so its output distribution, and the target's output, never depend on the source.
+  Draft-ahead (a row with Row.peek, draft_ahead.py): the drafter first takes its own next token
+  (its argmax: no random draw) and drafts after it. Those drafts bet on the target's verdict;
+  the row's random stream is snapshotted before them and rewound at its next call unless that
+  call's tokens continue the bet (a hit), so a lost bet leaves no trace in the row's samples.
 """
+
+from dataclasses import replace
 
 import torch
 
@@ -79,6 +85,9 @@ class ModelDrafter:
         # so q has the target's width and no padding row of a wider head is ever drafted.
         self.vocab_size = vocab_size or model.config.vocab_size
         self.generators = Generators(salt=1, device=self.runner.device)  # sampling stays by the logits
+        # per sampling row drafted ahead: (its generator's state before, the tokens a later call
+        # must start with for those draws to stand; None until the ahead call finished)
+        self.bets: dict[str, tuple[torch.Tensor, list[int] | None]] = {}
         self.forwards = 0  # drafter forwards, all rows together, since start
         self.hits = 0  # rows whose KV cache this drafter already held (session affinity)
         self.misses = 0
@@ -98,6 +107,7 @@ class ModelDrafter:
         self.sources.update(sources)
 
     def propose(self, rows: list[Row]) -> Drafts:
+        self._settle_bets(rows)
         cache = self.runner.cache
         for r in rows:
             warm = cache.valid(r.key, r.tokens) > 0
@@ -106,6 +116,9 @@ class ModelDrafter:
         # After a round whose drafts all passed, the drafter lacks d_K and the bonus token: a lag
         # of two, fed in the first drafting forward rather than a forward of its own.
         self.runner.catch_up([r.key for r in rows], [r.tokens for r in rows], max_lag=4)
+        guesses = None
+        if any(r.peek for r in rows):
+            rows, guesses = self._peek(rows)
         drafts = [[] for _ in rows]
         qs = [[] for _ in rows]
         active = [b for b, r in enumerate(rows) if r.k > 0]
@@ -117,7 +130,39 @@ class ModelDrafter:
             active = [b for i, b in enumerate(active) if len(drafts[b]) < rows[b].k and i not in unsure]
             forwards += 1
         q = [wire_q(torch.stack(q)) if rows[b].sampled else None for b, q in enumerate(qs)]  # [n, V] each
-        return Drafts(drafts, q, forwards, row_forwards)
+        for b, g in enumerate(guesses or []):
+            if g is not None and rows[b].key in self.bets:  # the bet stands if a later call continues it
+                self.bets[rows[b].key] = (self.bets[rows[b].key][0], rows[b].tokens)
+        return Drafts(drafts, q, forwards, row_forwards, guesses=guesses)
+
+    def _peek(self, rows: list[Row]) -> tuple[list[Row], list[int | None]]:
+        """Each peeking row's tokens extended by the drafter's own next token, in one batched
+        forward. Its argmax: the likeliest value of the target's bonus token, and no draw from the
+        row's stream. A sampling row's stream is snapshotted here, before the drafts of the bet."""
+        idx = [b for b, r in enumerate(rows) if r.peek]
+        logits, _ = self.runner.feed([rows[b].key for b in idx], [rows[b].tokens for b in idx], tail=[1] * len(idx))
+        self.forwards += 1
+        nxt = logits[:, 0, : self.vocab_size].argmax(-1).tolist()  # [len(idx)]
+        out, guesses = list(rows), [None] * len(rows)
+        for b, t in zip(idx, nxt):
+            guesses[b], out[b] = t, replace(rows[b], tokens=rows[b].tokens + [t], peek=False)
+            if rows[b].sampled:
+                self.bets[rows[b].key] = (self.generators.get(rows[b]).get_state(), None)
+        return out, guesses
+
+    def _settle_bets(self, rows: list[Row]) -> None:
+        """Rewind the stream of a row whose ahead drafts were not used, so the draws they took
+        never happened for the sequence, exactly as drafting one round at a time draws. They were
+        used only if the row's tokens now continue past the guess (its next round ran on them);
+        tokens that leave the guess (a lost bet), tokens equal to it (the caller drafts that round
+        again: its ahead call failed on the way back) and a call that never finished rewind."""
+        for r in rows:
+            bet = self.bets.pop(r.key, None)
+            if bet is None:
+                continue
+            state, guess = bet
+            if guess is None or len(r.tokens) <= len(guess) or r.tokens[: len(guess)] != guess:
+                self.generators.get(r).set_state(state)
 
     def _step(self, rows: list[Row], drafts: list[list[int]], qs: list[list]) -> set[int]:
         """One batched drafter forward: each row feeds its last token plus a lookup proposal and
@@ -166,3 +211,5 @@ class ModelDrafter:
     def release(self, keys: list[str]) -> None:
         self.runner.release(keys)
         self.generators.release(keys)
+        for key in keys:
+            self.bets.pop(key, None)

@@ -11,12 +11,19 @@ by the model drafter as MLA levels): the suffix index stores every request that 
 and output as one sequence, so a request like an earlier one is continued from its first token),
 within a token bound that evicts the oldest; the token recycler takes the target's top-k ids at
 every verified position of every round (Verdict.topk), whatever the rows' modes.
+
+Draft-ahead (draft_ahead.py, EngineConfig.draft_ahead): the round becomes a pipeline of two
+stages on two threads. While the target verifies round r, the drafter drafts round r+1 for every
+row that bets, on the guess that the verdict keeps all of round r's drafts and that the bonus is
+the drafter's own next token; the rows whose guess the verdict confirms start round r+1 with
+their drafts made, the others draft again. Outputs are the sequential round's, token for token.
 """
 
 import itertools
 import logging
 import time
 from collections import deque
+from dataclasses import replace
 
 import torch
 
@@ -24,6 +31,7 @@ from . import prompts
 from .allocator import RowInfo
 from .contracts import Drafter, Drafts, RoundResult, Row, Scorer
 from .detokenizer import IncrementalText, find_stop, held_back
+from .draft_ahead import Ahead, Stages, bets
 from .drafters import LookupDrafter, SourceDrafter
 from .params import ParamError, Params
 from .request_stats import RequestStats
@@ -86,6 +94,9 @@ class Engine:
         speculation_profile: CostProfile | dict | None = None,
         suffix_max_tokens: int = 1_000_000,
         recycle_top_k: int = 8,
+        draft_ahead: bool = False,
+        draft_threads: int = 0,
+        verify_threads: int = 0,
     ):
         self.scorer, self.tokenizer = scorer, tokenizer
         # Learned from this engine's traffic, shared by all sequences (module docstring). The
@@ -107,9 +118,26 @@ class Engine:
         # k "auto": the round's cost model (measured where it runs: cost_calibration.py) and each
         # row's acceptance
         self.policy = SpeculationPolicy.from_profile(speculation_profile)
+        # Draft-ahead: the drafter's and the target's threads (their torch thread budgets; 0: the
+        # process's), each row's drafts for its next round, and k "auto" costing the overlap.
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._ids = itertools.count()
+        self.stages: Stages | None = None
+        self.ahead: dict[str, Ahead] = {}
+        self.set_draft_ahead(draft_ahead, draft_threads, verify_threads)
+
+    def set_draft_ahead(self, on: bool, draft_threads: int = 0, verify_threads: int = 0) -> None:
+        """Draft-ahead on or off, with each side's torch threads (0: the process's), while no
+        request runs (EngineConfig.draft_ahead at start; a benchmark switches it between runs)."""
+        if self.running:
+            raise RuntimeError("draft-ahead is switched only while no request runs")
+        if self.stages is not None:
+            self.stages.close()
+        on = on and self.drafters["model"] is not None
+        self.stages = Stages(draft_threads, verify_threads) if on else None
+        self.ahead.clear()
+        self.policy.overlap = on
 
     # ---- requests in and out
     def add(
@@ -235,23 +263,28 @@ class Engine:
 
     def _round(self, batch: list[Request]) -> RoundResult:
         """Draft, verify, decide and commit for these requests; nothing is committed unless all
-        of it succeeds."""
+        of it succeeds. With draft-ahead, a pipeline of two stages: rows whose bet won take the
+        drafts made during the last round, the others draft now; while the target verifies, the
+        drafter drafts the next round (_verify); after the commit the bets are settled (_settle)."""
         rows = [self._row(r) for r in batch]
-        self._choose_ks(batch, rows)
+        held = self._held(batch, rows)
+        self._choose_ks(batch, rows, held)
         t0 = time.perf_counter()
-        drafts, fallback = self._draft(batch, rows)
+        drafts, fallback = self._draft(batch, rows, held)
         t1 = time.perf_counter()
-        verdict = self.scorer.verify(rows, drafts)
+        verdict, made, result = self._verify(batch, rows, drafts, fallback)
         t2 = time.perf_counter()
         accept_len, loosely = self._decide(batch, drafts, verdict)
         t3 = time.perf_counter()
         self._recycle(rows, drafts, verdict)
 
-        result = RoundResult(list(batch), sum(1 for d in drafts.tokens if d), t1 - t0, t2 - t1, t3 - t2)
+        result.advanced, result.drafting_rows = list(batch), sum(1 for d in drafts.tokens if d)
+        result.draft_s, result.decide_s = t1 - t0, t3 - t2
+        result.verify_s = result.verify_s or t2 - t1
         result.drafter_fallback = fallback
         # a remote drafter reports its compute; the rest of the call was transport
         result.draft_compute_s = t1 - t0 if drafts.compute_s is None else drafts.compute_s
-        result.verify_compute_s = t2 - t1 if verdict.compute_s is None else verdict.compute_s
+        result.verify_compute_s = result.verify_s if verdict.compute_s is None else verdict.compute_s
         a_list, n_loose, y = accept_len.tolist(), loosely.sum(1).tolist(), verdict.y.tolist()
         for b, req in enumerate(batch):
             a, n = a_list[b], len(drafts.tokens[b])
@@ -270,24 +303,112 @@ class Engine:
             a_list,
             kinds=[POLICY_KINDS[req.params.mode_spec.drafter] for req in batch],
             draft_s=t1 - t0,
-            verify_s=t2 - t1,
+            verify_s=result.verify_s,
             forwards=drafts.forwards,
             row_forwards=drafts.row_forwards,
+            ahead=[h is not None for h in held],
         )
+        self._settle(batch, made, a_list, y, result)
         return result
 
-    def _choose_ks(self, batch: list[Request], rows: list[Row]) -> None:
+    # ---- draft-ahead (draft_ahead.py)
+    def _held(self, batch: list[Request], rows: list[Row]) -> list[Ahead | None]:
+        """Per row, the drafts made for this round while the last one was verified (the bet won),
+        or None. A k "auto" row keeps the k its drafts were made for (k auto plans around it)."""
+        held = []
+        for req, row in zip(batch, rows):
+            a = self.ahead.get(req.id)
+            if a is not None and not req.params.auto_k and a.k != row.k:
+                log.warning("draft-ahead for %s made for k=%d, the round has k=%d: drafting again", req.id, a.k, row.k)
+                a = None
+            if a is not None:
+                row.k = a.k
+            held.append(a)
+        return held
+
+    def _verify(self, batch: list[Request], rows: list[Row], drafts: Drafts, fallback: bool):
+        """The target's verdict; with draft-ahead, the next round's drafts are made meanwhile.
+        Returns (verdict, [(row index, Ahead)], a RoundResult holding the overlap's times)."""
+        result = RoundResult()
+        if self.stages is None or fallback:  # a drafter that just failed is not asked to bet
+            return self.scorer.verify(rows, drafts), [], result
+        both = self.stages.together(
+            lambda: self.scorer.verify(rows, drafts), lambda: self._draft_ahead(batch, rows, drafts)
+        )
+        result.verify_s, result.ahead_s = both.verify_s, both.ahead_s
+        result.verify_wait_s, result.draft_wait_s = both.verify_wait_s, both.draft_wait_s
+        return both.verdict, both.ahead or [], result
+
+    def _draft_ahead(self, batch: list[Request], rows: list[Row], drafts: Drafts) -> list[tuple[int, Ahead]] | None:
+        """The drafter's side of the overlap: for every row that bets, its drafts for round r+1
+        after this round's drafts and the drafter's own next token (Row.peek). On the drafter's
+        thread; never raises (a failed bet fails no round: its rows draft as usual next round)."""
+        idx, bet_rows = [], []
+        for b, (req, row) in enumerate(zip(batch, rows)):
+            d = drafts.tokens[b]
+            k = self._next_k(req, row.k, len(d) + 1)
+            if k > 0 and bets(row, req.params.mode_spec.drafter) and not self.eos_ids.intersection(d):
+                idx.append(b)
+                bet_rows.append(replace(row, tokens=row.tokens + d, k=k, peek=True, guessed=len(d)))
+        if not idx:
+            return []
+        try:
+            got = self.drafters["model"].propose(bet_rows)
+        except Exception:
+            log.warning("draft-ahead failed; its rows draft next round as usual", exc_info=True)
+            return None
+        made = []
+        for i, b in enumerate(idx):
+            guess = got.guesses[i] if got.guesses is not None else None
+            if guess is None:  # a drafter that does not peek made no bet
+                continue
+            forwards = got.row_forwards[i] if got.row_forwards is not None else None
+            guessed = drafts.tokens[b] + [guess]
+            made.append((b, Ahead(len(rows[b].tokens), guessed, bet_rows[i].k, got.tokens[i], got.q[i], forwards)))
+        return made
+
+    def _next_k(self, req: Request, k_now: int, n_new: int) -> int:
+        """The k a row gets next round if this one commits n_new tokens (as _row computes it; a k
+        "auto" row keeps this round's)."""
+        p = req.params
+        room = min(p.max_tokens - len(req.generated), self.max_model_len - len(req.tokens)) - n_new - 1
+        return max(0, min(k_now if p.auto_k else p.k_cap, room))
+
+    def _settle(self, batch: list[Request], made: list[tuple[int, Ahead]], a_list, y, result: RoundResult) -> None:
+        """After the commit: keep the ahead drafts whose guess the verdict confirmed, drop the
+        rest (counted), and tell k "auto" whether the drafter's own next token was the bonus."""
+        for req in batch:
+            self.ahead.pop(req.id, None)  # held drafts were used this round
+        for b, ahead in made:
+            req = batch[b]
+            n = len(ahead.guess) - 1
+            if a_list[b] == n:  # every draft kept: the guess was one more draft, kept or not
+                self.policy.tracker.observe_guess(req.id, y[b][n] == ahead.guess[-1])
+            result.ahead_drafted += len(ahead.drafts)
+            if not req.finished and ahead.won(req.tokens):
+                self.ahead[req.id] = ahead
+                result.ahead_hits += 1
+                req.stats.ahead_hits += 1
+            else:
+                result.ahead_misses += 1
+                result.ahead_dropped += len(ahead.drafts)
+                req.stats.ahead_misses += 1
+                req.stats.ahead_dropped += len(ahead.drafts)
+
+    def _choose_ks(self, batch: list[Request], rows: list[Row], held: list[Ahead | None]) -> None:
         """k "auto" rows get this round's k from the policy, which weighs every row's expected
-        tokens against the round's predicted seconds; fixed-k rows share the round as they are."""
+        tokens against the round's predicted seconds; fixed-k rows, and rows whose drafts were
+        made ahead, share the round as they are."""
         if not any(r.params.auto_k for r in batch):
             return
+        fixed = [not req.params.auto_k or h is not None for req, h in zip(batch, held)]
         infos = [
-            RowInfo(row.key, row.k, POLICY_KINDS[req.params.mode_spec.drafter], fixed=not req.params.auto_k)
-            for req, row in zip(batch, rows)
+            RowInfo(row.key, row.k, POLICY_KINDS[req.params.mode_spec.drafter], fixed=f)
+            for req, row, f in zip(batch, rows, fixed)
         ]
         ks = self.policy.choose(infos)
-        for req, row, k in zip(batch, rows, ks):
-            if req.params.auto_k:
+        for row, k, f in zip(rows, ks, fixed):
+            if not f:
                 row.k, row.min_confidence = k, self.policy.min_confidence(row.key)
 
     def _row(self, req: Request) -> Row:
@@ -301,18 +422,23 @@ class Engine:
             req.id, req.tokens, k, p.mla, p.temperature, p.top_p, p.seed, entropy, rho=rho, mla_sources=p.mla_levels
         )
 
-    def _draft(self, batch: list[Request], rows: list[Row]) -> tuple[Drafts, bool]:
+    def _draft(self, batch: list[Request], rows: list[Row], held: list[Ahead | None]) -> tuple[Drafts, bool]:
         """Drafts for every row, and whether the model drafter failed this round. Its compute
         seconds, where a remote drafter reports them, ride along (Drafts.compute_s). A failed
         drafter's rows get prompt-lookup drafts (exact at any temperature: a one-hot q), and the
         next round tries the drafter again: rows carry all their tokens, so they never depend on it."""
         drafts, fallback = Drafts.empty(len(rows)), False
         for kind, drafter in self.drafters.items():
-            idx = [b for b, r in enumerate(batch) if r.params.mode_spec.drafter == kind and rows[b].k]
+            idx = [
+                b for b, r in enumerate(batch) if r.params.mode_spec.drafter == kind and rows[b].k and held[b] is None
+            ]
             if not idx:
                 continue
             try:
-                got = drafter.propose([rows[b] for b in idx])
+                if kind == "model" and self.stages is not None:  # on the drafter's thread, its budget
+                    got = self.stages.draft(drafter.propose, [rows[b] for b in idx])
+                else:
+                    got = drafter.propose([rows[b] for b in idx])
             except Exception:
                 if kind != "model":  # the model-free sources run here: their failure is a bug
                     raise
@@ -327,6 +453,12 @@ class Engine:
                     drafts.row_forwards = drafts.row_forwards or [0] * len(rows)
                     for i, b in enumerate(idx):
                         drafts.row_forwards[b] = got.row_forwards[i]
+        for b, a in enumerate(held):  # made while the last round was verified
+            if a is not None:
+                drafts.tokens[b], drafts.q[b] = a.drafts, a.q
+                if a.forwards is not None:
+                    drafts.row_forwards = drafts.row_forwards or [0] * len(rows)
+                    drafts.row_forwards[b] = a.forwards
         return drafts, fallback
 
     def _recycle(self, rows: list[Row], drafts: Drafts, verdict) -> None:
@@ -386,6 +518,8 @@ class Engine:
             return
         done = [r.id for r in finished]
         self.running = [r for r in self.running if not r.finished]
+        for key in done:
+            self.ahead.pop(key, None)
         for req in finished:
             if req.finish_reason != "error":  # an aborted output is still the target's text
                 self.suffix_index.add(req.tokens)

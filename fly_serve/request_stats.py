@@ -15,6 +15,14 @@ class RequestStats:
     draft_s: float = 0.0  # time of the rounds this request took part in, by phase
     verify_s: float = 0.0
     decide_s: float = 0.0
+    # draft-ahead (draft_ahead.py): the bets on this request's rounds won (its next drafts were made
+    # while the round was verified) and lost, the drafts thrown away with the lost ones, and how
+    # long the drafter waited for the verdict / the verdict for the ahead drafts, summed
+    ahead_hits: int = 0
+    ahead_misses: int = 0
+    ahead_dropped: int = 0
+    verify_wait_s: float = 0.0
+    draft_wait_s: float = 0.0
     # position in the output tokens (0-based) of the first loosely accepted draft that reached the
     # output; None: none did
     first_loose_pos: int | None = None
@@ -32,6 +40,8 @@ class RequestStats:
         self.draft_s += round_.draft_s
         self.verify_s += round_.verify_s
         self.decide_s += round_.decide_s
+        self.verify_wait_s += round_.verify_wait_s
+        self.draft_wait_s += round_.draft_wait_s
 
     def note_loose(self, emitted_before: int, loosely, committed: int) -> None:
         """Record where the first loose accept sits: `loosely` [K] marks this round's loosely kept
@@ -51,6 +61,6 @@ class RequestStats:
     def as_dict(self) -> dict:
         d = asdict(self)
         d["tau"] = round(self.tau, 3)
-        for key in ("draft_s", "verify_s", "decide_s"):
+        for key in ("draft_s", "verify_s", "decide_s", "verify_wait_s", "draft_wait_s"):
             d[key] = round(d[key], 4)
         return d

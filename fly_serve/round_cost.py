@@ -18,6 +18,18 @@ forwards, and the round runs F = ceil(max_b f_b) forwards. So
 c is paid once per forward, whatever the number of rows in it; d once per row in a forward; e
 once per round that drafts (the catch-up of lagging rows, Python). Raising the longest row's k
 adds a forward (c + d); raising a row below it adds only that row's share (d).
+
+Draft-ahead (draft_ahead.py). The drafter drafts round r+1 while the target verifies round r, so
+a round costs the longer of the two sides, plus what does not overlap: the drafting of the rows
+whose bet was lost (they draft again before the next verify). A row's bet wins when all k of its
+drafts and the guessed bonus are kept, a**(k+1) at per-token acceptance a, so
+
+    round seconds = overhead + max(verify, draft + peek) + redraft
+    redraft       = (e + c * F) * (1 - prod_b hit_b) + d * sum_b f_b * (1 - hit_b)
+
+peek being the drafter's one forward for its own next token. More drafts stay free until
+drafting meets verification; past that each costs its whole time, and every draft lowers the
+chance the bet wins.
 """
 
 import math
@@ -159,14 +171,39 @@ class RoundCostModel:
         out = np.where(forwards > 0, e + c * forwards + d * np.asarray(row_forwards, dtype=float), 0.0)
         return out if out.ndim else float(out)
 
-    def round_s(self, ks, rows) -> float:
-        """Predicted seconds of a round in which row b drafts ks[b] (rows: allocator.RowInfo)."""
+    def round_s(self, ks, rows, overlap: bool = False) -> float:
+        """Predicted seconds of a round in which row b drafts ks[b] (rows: allocator.RowInfo);
+        overlap: with draft-ahead (the module docstring; a row's acceptance gives its bet's chance)."""
         ks = np.asarray(ks, dtype=float)  # [B]
         model = np.array([r.drafter == MODEL for r in rows], dtype=bool)  # [B]
         tpf = np.array([tokens_per_forward(r) for r in rows])  # [B]
         f = np.where(model, ks / tpf, 0.0)  # [B] drafter forwards each row is in
         forwards = math.ceil(float(f.max()) - 1e-9) if len(rows) else 0
-        return float(self.overhead_s + self.verify_s(float((ks + 1).sum())) + self.draft_s(forwards, f.sum()))
+        verify = self.verify_s(float((ks + 1).sum()))
+        if not overlap:
+            return float(self.overhead_s + verify + self.draft_s(forwards, f.sum()))
+        e, c, d = self.draft_coefficients
+        shared = (e + c * forwards) if forwards > 0 else 0.0
+        hit = hit_chance(ks, [r.acceptance or 0.0 for r in rows], model)
+        peek = (c + d * int((model & (ks > 0)).sum())) if forwards > 0 else 0.0
+        return float(self.overhead_s + overlapped_s(verify, shared, d * f, hit, peek))
+
+
+def hit_chance(k, a, model):
+    """The chance a row's draft-ahead bet wins, a**(k+1); 1 for a row that does not draft with the
+    model (it has no drafting to redo). k, a, model broadcast ([..., B])."""
+    k, a = np.asarray(k, dtype=float), np.asarray(a, dtype=float)
+    return np.where(np.asarray(model) & (k > 0), a ** (k + 1.0), 1.0)
+
+
+def overlapped_s(verify, shared, per_row, hit, peek):
+    """Seconds of a draft-ahead round's work (the module docstring's formula, without overhead).
+    verify, shared (e + c * F, the per-round and per-forward part of drafting), peek [...];
+    per_row (d * f_b), hit [..., B]."""
+    per_row, hit = np.asarray(per_row, dtype=float), np.asarray(hit, dtype=float)
+    draft = shared + per_row.sum(-1)
+    redraft = shared * (1.0 - hit.prod(-1)) + (per_row * (1.0 - hit)).sum(-1)
+    return np.maximum(verify, draft + peek) + redraft
 
 
 def tokens_per_forward(row) -> float:

@@ -82,8 +82,10 @@ class RowSender:
         return out
 
     def sent(self, rows: list[Row]) -> None:
+        """Rows of a call that succeeded; a draft-ahead row's guessed tail (Row.guessed) does not
+        count: those tokens may never be committed, and the next call sends what replaced them."""
         for r in rows:
-            self._sent[r.key] = len(r.tokens)
+            self._sent[r.key] = len(r.tokens) - r.guessed
 
     def forget(self, keys: list[str]) -> None:
         for k in keys:

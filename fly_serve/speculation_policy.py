@@ -59,6 +59,9 @@ class SpeculationPolicy:
         self.last: Plan | None = None  # the plan of the round last chosen (before probes)
         self._idle: dict[str, int] = {}  # rounds in a row the plan left each row at k = 0
         self._probing: set[str] = set()  # rows probed in the round last chosen
+        # Draft-ahead (the engine sets it): a round costs max(draft, verify) plus the drafting of
+        # the rows whose bet was lost (allocator.plan, round_cost.round_seconds).
+        self.overlap = False
 
     @classmethod
     def from_profile(cls, profile: CostProfile | dict | None, **tracker_kw) -> "SpeculationPolicy":
@@ -92,7 +95,7 @@ class SpeculationPolicy:
             )
             for r in rows
         ]
-        self.last = plan(rows, self.cost)
+        self.last = plan(rows, self.cost, overlap=self.overlap)
         return self._probe(rows, list(self.last.ks))
 
     def _probe(self, rows: list[RowInfo], ks: list[int]) -> list[int]:
@@ -131,18 +134,21 @@ class SpeculationPolicy:
         verify_s: float,
         forwards: int = 0,
         row_forwards: list[int] | None = None,
+        ahead: list[bool] | None = None,
     ):
         """One finished round, per row: key, drafts, kept (accepted + loosely accepted), how it
         drafted (round_cost.KINDS; the caller says, since choose may not have run), and the
         drafter forwards it was in if the drafter reports them (MLA's tokens per forward).
-        forwards: the model drafter's forwards this round."""
+        forwards: the model drafter's forwards this round; ahead: per row, its drafts were made
+        while the round before was verified (not in this round's forwards nor its draft_s)."""
         model = [kind == MODEL for kind in kinds]
         per_row = row_forwards if row_forwards is not None else [None] * len(keys)
+        now = [not a for a in ahead] if ahead is not None else [True] * len(keys)
         self.tracker.observe_round(keys, drafted, kept, [f if m else None for f, m in zip(per_row, model)])
         rows_in_forwards = sum(
             (f if f is not None else min(forwards, math.ceil(n / self.tracker.tokens_per_forward(key) - 1e-9)))
-            for key, n, f, m in zip(keys, drafted, per_row, model)
-            if m and n > 0
+            for key, n, f, m, here in zip(keys, drafted, per_row, model, now)
+            if m and n > 0 and here
         )
         if self.frozen:
             return

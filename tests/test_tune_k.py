@@ -140,3 +140,15 @@ def test_tune_k_and_the_cli_do_not_import_each_other():
     code += "print('fly_cli.main' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_draft_ahead_profiles_both_curves_with_overlap(tmp_path, capsys):
+    """--draft-ahead: each side's curve timed while the other works, the table costed as
+    overlapped rounds; the profile says how it was measured."""
+    out = tmp_path / "profile.yaml"
+    main([*QUICK, "--draft-ahead", "--out", str(out)])
+    rows = table_rows(capsys.readouterr().out)
+    assert [int(r[0]) for r in rows] == list(tune_k.QUICK_BATCH_SIZES)
+    profile = yaml.safe_load(out.read_text())["speculation_profile"]
+    check_profile(profile)
+    assert profile["extra"]["overlap"] is True
