@@ -137,6 +137,10 @@ class RemoteDrafter:
                 out.row_forwards = out.row_forwards or [0] * len(rows)
                 for j, i in enumerate(idx):
                     out.row_forwards[i] = got.row_forwards[j]
+            if got.prefix_hit_tokens is not None:
+                out.prefix_hit_tokens = out.prefix_hit_tokens or [0] * len(rows)
+                for j, i in enumerate(idx):
+                    out.prefix_hit_tokens[i] = got.prefix_hit_tokens[j]
         return out
 
     def release(self, keys: list[str]) -> None:

@@ -26,6 +26,9 @@ class EngineConfig:
     kv_budget_tokens: int | None = None
     target_kv_budget_tokens: int | None = None
     drafter_kv_budget_tokens: int | None = None
+    # Share full KV blocks between sequences with the same token prefix (kv_cache.py), on the
+    # target (every TP rank) and the drafter; off: every request prefills its whole prompt.
+    prefix_cache: bool = False
 
     def params(self) -> Params:
         return Params.from_dict(self.defaults)

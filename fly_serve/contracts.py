@@ -50,6 +50,9 @@ class Drafts:
     # seconds the drafter computed, as a replica reports it (the round's call time minus this is
     # transport); None: drafted in the caller's process, so the call is the compute
     compute_s: float | None = None
+    # per row, prompt tokens this call took from the drafter's prefix cache instead of feeding
+    # them (kv_cache.py); None: not reported
+    prefix_hit_tokens: list[int] | None = None
 
     @classmethod
     def empty(cls, n_rows: int) -> "Drafts":
@@ -79,6 +82,7 @@ class Verdict:
     topk: torch.Tensor | None = None
     plausibility: torch.Tensor | None = None
     compute_s: float | None = None  # seconds the target computed, as its replica reports it (as Drafts')
+    prefix_hit_tokens: list[int] | None = None  # per row, as Drafts' (the target's prefix cache)
 
 
 class DraftSource(Protocol):
@@ -130,6 +134,8 @@ class RoundResult:
     emitted: int = 0
     failed: list = field(default_factory=list)  # Requests this round ended with an error
     drafter_fallback: bool = False  # the model drafter failed; its rows drafted by prompt lookup
+    prefix_hit_tokens: int = 0  # tokens the target's prefix cache saved feeding, all rows
+    draft_prefix_hit_tokens: int = 0  # the same on the drafter
 
     @property
     def batch_size(self) -> int:
@@ -153,5 +159,7 @@ class RoundResult:
             "accepted",
             "loosely_accepted",
             "emitted",
+            "prefix_hit_tokens",
+            "draft_prefix_hit_tokens",
         ):
             setattr(self, name, getattr(self, name) + getattr(other, name))

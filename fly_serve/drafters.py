@@ -66,8 +66,9 @@ class ModelDrafter:
         min_confidence: float = 0.0,
         vocab_size: int | None = None,
         kv_budget_tokens: int | None = None,
+        prefix_cache: bool = False,
     ):
-        self.runner = Runner(model, n_slots=n_slots, budget_tokens=kv_budget_tokens)
+        self.runner = Runner(model, n_slots=n_slots, budget_tokens=kv_budget_tokens, prefix_cache=prefix_cache)
         self.kv_capacity_tokens = self.runner.cache.capacity_tokens
         # MLA levels by name (params.MLA_SOURCES); the engine shares its suffix index and token
         # recycler here (share_sources), so a standalone drafter has prompt lookup only.
@@ -91,6 +92,7 @@ class ModelDrafter:
             "misses": self.misses,
             "hit_rate": self.hits / seen if seen else 0.0,
             "forwards": self.forwards,
+            "prefix_hit_tokens": self.runner.cache.hit_tokens_total,
         }
 
     def share_sources(self, sources: dict[str, DraftSource]) -> None:
@@ -117,7 +119,8 @@ class ModelDrafter:
             active = [b for i, b in enumerate(active) if len(drafts[b]) < rows[b].k and i not in unsure]
             forwards += 1
         q = [wire_q(torch.stack(q)) if rows[b].sampled else None for b, q in enumerate(qs)]  # [n, V] each
-        return Drafts(drafts, q, forwards, row_forwards)
+        hits = self.runner.cache.take_hits([r.key for r in rows])  # prefill the prefix cache saved
+        return Drafts(drafts, q, forwards, row_forwards, prefix_hit_tokens=hits)
 
     def _step(self, rows: list[Row], drafts: list[list[int]], qs: list[list]) -> set[int]:
         """One batched drafter forward: each row feeds its last token plus a lookup proposal and
