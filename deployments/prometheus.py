@@ -63,6 +63,15 @@ class ServingMetrics:
             "Requests that failed: rejected (4xx), overloaded (503), error (5xx, a failed round).",
             tag_keys=("reason",),
         )
+        # vLLM's prefix_cache_queries / prefix_cache_hits, in tokens, per model ("part")
+        self.prefix_queries = c(
+            "fly_prefix_cache_queries", "Prompt tokens of requests that started (looked up in the prefix cache)."
+        )
+        self.prefix_hits = c(
+            "fly_prefix_cache_hits",
+            "Prompt tokens taken from the prefix cache instead of prefilled, by model (target, drafter).",
+            tag_keys=("part",),
+        )
         self.seq_rounds = 0
         self.total_emitted = 0
 
@@ -72,6 +81,9 @@ class ServingMetrics:
         inc(self.accepted, r.accepted)
         inc(self.loose, r.loosely_accepted)
         inc(self.emitted, r.emitted)
+        inc(self.prefix_queries, r.prompt_tokens)
+        inc(self.prefix_hits, r.prefix_hit_tokens, {"part": "target"})
+        inc(self.prefix_hits, r.draft_prefix_hit_tokens, {"part": "drafter"})
         self.seq_rounds += r.batch_size
         self.total_emitted += r.emitted
         self.mean_len.set(self.total_emitted / self.seq_rounds)

@@ -134,6 +134,7 @@ class RoundResult:
     emitted: int = 0
     failed: list = field(default_factory=list)  # Requests this round ended with an error
     drafter_fallback: bool = False  # the model drafter failed; its rows drafted by prompt lookup
+    prompt_tokens: int = 0  # prompt tokens of the rows in their first round (the prefix cache's queries)
     prefix_hit_tokens: int = 0  # tokens the target's prefix cache saved feeding, all rows
     draft_prefix_hit_tokens: int = 0  # the same on the drafter
 
@@ -159,6 +160,7 @@ class RoundResult:
             "accepted",
             "loosely_accepted",
             "emitted",
+            "prompt_tokens",
             "prefix_hit_tokens",
             "draft_prefix_hit_tokens",
         ):

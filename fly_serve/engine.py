@@ -270,6 +270,7 @@ class Engine:
                 req.stats.note_loose(before, loosely[b], committed)
             hit, draft_hit = _at(verdict.prefix_hit_tokens, b), _at(drafts.prefix_hit_tokens, b)
             req.stats.add_prefix_hits(hit, draft_hit)
+            result.prompt_tokens += req.n_prompt if req.stats.rounds == 1 else 0
             result.prefix_hit_tokens += hit
             result.draft_prefix_hit_tokens += draft_hit
         self.policy.record(

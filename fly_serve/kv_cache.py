@@ -20,9 +20,11 @@ positions). plan() lets a row adopt its leading full blocks from the registry in
 them (reference-counted), never the block of its last token nor one past its limit: the forward
 needs at least one fed token for logits. A write never goes into a block another sequence holds
 (copy-on-write: a fresh block, the valid head copied when the write starts mid-block), and a
-registered block written into leaves the registry first. A registered block no sequence holds
-stays cached, evictable least recently used first when a new block needs its room; free_blocks()
-counts it as free. Off (the default), nothing is registered or adopted: every refcount is 1.
+registered block written into leaves the registry first. The registered blocks of a released
+or evicted sequence stay cached while no sequence holds them, evictable least recently used
+first when a new block needs their room (free_blocks() counts them as free); blocks a rollback
+drops (rejected drafts, rarely asked for again) are freed. Off (the default), nothing is
+registered or adopted: every refcount is 1.
 
 Block 0 is scratch: table entries past a sequence's blocks point at it, so the padding of a
 right-padded batch writes there instead of into another sequence's blocks, and reads past a row's
@@ -260,8 +262,8 @@ class KVCache:
             self._drop(key)
         seqs = [self._seq(key) for key in keys]
         for e in edits:  # let go first: freed blocks serve the growth below
-            for b in e.released:
-                self._unref(b)
+            for b in e.released:  # rolled back (rejected drafts): rarely asked for again, so free
+                self._unref(b, keep_cached=False)
         for e in edits:  # then adopt: a cached block is taken before any eviction could reach it
             for b in e.adopted:
                 self._addref(b)
@@ -450,9 +452,13 @@ class KVCache:
             del self.evictable[b]  # only a registered block is ever adopted
         self.ref[b] += 1
 
-    def _unref(self, b: int):
+    def _unref(self, b: int, keep_cached: bool = True):
+        """keep_cached: a registered block no sequence holds stays cached (evictable), else it
+        leaves the registry and is free."""
         self.ref[b] -= 1
         if self.ref[b] == 0:
+            if not keep_cached:
+                self._unregister(b)
             if b in self.hash_of:
                 self.evictable[b] = None  # most recently released last
             else:
