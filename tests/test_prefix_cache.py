@@ -141,9 +141,11 @@ def engines():
     ]
 
 
-@pytest.mark.parametrize("mode", ["ar", "spd", "fly"])
+@pytest.mark.parametrize("mode", ["ar", "spd", "fly", "fly-sampled", "pld"])
 def test_outputs_equal_the_cache_less_outputs_sequential_and_batched(mode):
     params = {"mode": mode, "k": 4, "theta": 0.3, "max_tokens": 12}
+    if mode == "fly-sampled":
+        params.update(mode="fly", temperature=0.8, seed=7)
     off, on = engines()
     texts = {}
     for name, engine in (("off", off), ("on", on)):
@@ -154,7 +156,7 @@ def test_outputs_equal_the_cache_less_outputs_sequential_and_batched(mode):
             hits = [r.stats.prefix_hit_tokens for r in seq_out]
             assert hits[0] == 0 and all(h > 0 for h in hits[1:])
             assert all(r.stats.prefix_hit_tokens > 0 for r in batch_out)
-            if mode != "ar":  # the drafter has a prefix cache of its own
+            if mode not in ("ar", "pld"):  # the drafter has a prefix cache of its own
                 assert sum(r.stats.draft_prefix_hit_tokens for r in seq_out + batch_out) > 0
             assert seq_out[1].stats.as_dict()["prefix_hit_tokens"] == 32  # the 40-token prefix: 2 blocks of 16
         else:
