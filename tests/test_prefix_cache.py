@@ -162,3 +162,57 @@ def test_outputs_equal_the_cache_less_outputs_sequential_and_batched(mode):
         else:
             assert all(r.stats.prefix_hit_tokens == 0 for r in seq_out + batch_out)
     assert texts["on"] == texts["off"]
+
+
+def invariants(r: Runner) -> None:
+    """Every block is exactly one of: held (ref = its holders), cached and idle, or free."""
+    c = r.cache
+    holders: dict[int, int] = {}
+    for s in c.seq_of.values():
+        assert len(c.hashes[s]) == len(c.tokens[s]) // c.block_size
+        for b in c.blocks[s]:
+            holders[b] = holders.get(b, 0) + 1
+    assert all(c.ref[b] == n for b, n in holders.items())
+    assert all(c.ref[b] == 0 for b in range(1, c.allocated + 1) if b not in holders)
+    assert set(c.evictable) <= set(c.hash_of) and not set(c.evictable) & set(holders)
+    assert not set(c.free) & (set(holders) | set(c.evictable))
+    assert len(c.free) + len(c.evictable) + len(holders) == c.allocated
+    assert all(c.registry[h] == b for b, h in c.hash_of.items()) and len(c.registry) == len(c.hash_of)
+
+
+def test_random_traffic_keeps_every_invariant_and_every_logit():
+    gen = torch.Generator().manual_seed(0)
+    r = runner(budget_tokens=96, max_seqs=3)  # 24 blocks: evictions happen
+    prefixes = [seq(n, 40 + n) for n in (9, 14, 21)]
+    held: dict[str, list[int]] = {}
+
+    def rand(n: int) -> int:
+        return int(torch.randint(n, (1,), generator=gen))
+
+    for step in range(80):
+        keys = sorted({f"k{rand(5)}" for _ in range(1 + rand(2))})  # one or two rows a call
+        if rand(5) == 0:
+            r.release(keys)
+            for key in keys:
+                held.pop(key, None)
+            invariants(r)
+            continue
+        rows = []
+        for key in keys:
+            toks, op = held.get(key), rand(3)
+            if op == 0 or toks is None:  # a new request on one of the prefixes
+                p = prefixes[rand(3)]
+                toks = p[: 4 + rand(len(p) - 3)] + seq(3, step)
+            elif op == 1:  # a round: drafts appended
+                toks = toks + seq(1 + rand(5), 1000 + step)
+            else:  # a rollback (rejected drafts), then one new token
+                toks = toks[: 1 + rand(len(toks))] + [step]
+            rows.append(toks)
+        try:
+            check(r, keys, rows)
+            held.update(zip(keys, rows))
+        except KVCacheFull:
+            pass
+        held = {k: v for k, v in held.items() if k in r.cache.seq_of}
+        invariants(r)
+    assert r.cache.hit_tokens_total > 0
