@@ -28,6 +28,8 @@ from fly_serve.loading import load_model, load_tokenizer
 from fly_serve.prompts import encode
 from fly_serve.weights import DEFAULT_DRAFTER, DEFAULT_TARGET
 
+TURN_TOKENS = 64  # room for one turn's question, at most (the questions are shorter)
+
 
 def document(tokenizer, n_tokens: int) -> list[int]:
     """A long shared prefix (a system prompt, a tool list, a document) of exactly n_tokens."""
@@ -90,20 +92,28 @@ def main():
     target = load_model(args.target, args.dtype)
     drafter = None if args.drafter == "none" else load_model(args.drafter, args.drafter_precision)
     params = dict(mode=args.mode, k=args.k, max_tokens=args.max_tokens, temperature=0.0)
-    doc = document(tokenizer, args.prefix_tokens)
-    chat_len = args.prefix_tokens + args.turns * (args.max_tokens + 64)
-    results = {}
-    for on in (False, True):
-        engine = build_engine(
+    chat_len = args.prefix_tokens + args.turns * (args.max_tokens + TURN_TOKENS)
+    engines = [
+        build_engine(
             target,
             drafter,
             tokenizer=tokenizer,
             max_batch=2,
-            max_model_len=max(4096, 2 * chat_len),
+            max_model_len=max(4096, chat_len),
             kv_budget_tokens=max(8192, 4 * chat_len),
             prefix_cache=on,
             calibrate=False,
         )
+        for on in (False, True)
+    ]
+    # a model with a short context (the tiny ones: 1,024) gets a shorter document, said so
+    room = engines[0].max_model_len - args.turns * (args.max_tokens + TURN_TOKENS)
+    if room < args.prefix_tokens:
+        print(f"--prefix-tokens {args.prefix_tokens} does not fit the context window: {room} instead")
+        args.prefix_tokens = room
+    doc = document(tokenizer, args.prefix_tokens)
+    results = {}
+    for on, engine in zip((False, True), engines):
         run_one(engine, encode(tokenizer, "Warm up."), dict(params, max_tokens=4))
         name = "on" if on else "off"
         results[name] = dict(second=second_request(engine, tokenizer, doc, params))
