@@ -275,6 +275,12 @@ class KVCache:
             if hit:
                 self.hits[key] = self.hits.get(key, 0) + hit
                 self.hit_tokens_total += hit
+        # Copy sources only now: freed earlier, one could have become another row's fresh block
+        # and been copied into before its own copy was read. (_victims counts none of them as
+        # freed: at worst one more idle sequence is evicted.)
+        for e in edits:
+            if e.copy_from is not None:
+                self._unref(e.copy_from, keep_cached=False)
         if self.max_seqs is not None and len(self.seq_of) > self.max_seqs:
             idle = [k for k in self.seq_of if k not in keys and k not in protect]
             for key in idle[: max(0, len(self.seq_of) - self.max_seqs)]:
@@ -327,7 +333,7 @@ class KVCache:
                 if b is not None and i * bs < start:  # shared, and its head is still valid
                     e.copy_from = b
         e.adopted = [b for i, b in enumerate(adopted) if i + lo >= len(old) or old[i + lo] != b]
-        kept = set(blocks)
+        kept = set(blocks) | {e.copy_from}  # a copy's source is let go of after every copy (plan)
         e.released = [b for b in old[lo:] if b not in kept]
         return e
 
@@ -424,9 +430,8 @@ class KVCache:
         for i, b in enumerate(blocks):
             if b == FRESH:
                 blocks[i] = self._take()
-                if e.copy_from is not None:  # only ever the first fresh block (_edit)
+                if e.copy_from is not None and i == e.start // self.block_size:  # the first fresh one
                     self._copy(e.copy_from, blocks[i])
-                    e.copy_from = None
         n_old = len(self.blocks[seq])
         if len(blocks) > self.table.shape[1]:
             self._widen(len(blocks))
