@@ -66,6 +66,8 @@ class AppArgs(BaseModel):
     # None: kv_budget_tokens. A drafter budget that does not fit fails the drafter's start.
     target_kv_budget_tokens: int | None = Field(None, ge=KV_BLOCK_TOKENS)
     drafter_kv_budget_tokens: int | None = Field(None, ge=KV_BLOCK_TOKENS)
+    # Share the KV blocks of a common token prefix between requests (fly_serve/kv_cache.py)
+    prefix_cache: bool = False
     # Staying up (deployments/README.md, "Serving that stays up"):
     max_waiting: int = Field(DEFAULT_MAX_WAITING, ge=0)  # admitted beyond max_batch; past that, 503
     # one call from the ingress to the target or to a drafter replica (then it is cancelled)
@@ -105,6 +107,7 @@ class AppArgs(BaseModel):
             target_kv_budget_tokens=self.target_kv_budget_tokens,
             drafter_kv_budget_tokens=self.drafter_kv_budget_tokens,
             draft_ahead=self.draft_ahead,
+            prefix_cache=self.prefix_cache,
         )
 
     @property

@@ -69,6 +69,15 @@ class ServingMetrics:
             "Requests that failed: rejected (4xx), overloaded (503), error (5xx, a failed round).",
             tag_keys=("reason",),
         )
+        # vLLM's prefix_cache_queries / prefix_cache_hits, in tokens, per model ("part")
+        self.prefix_queries = c(
+            "fly_prefix_cache_queries", "Prompt tokens of requests that started (looked up in the prefix cache)."
+        )
+        self.prefix_hits = c(
+            "fly_prefix_cache_hits",
+            "Prompt tokens taken from the prefix cache instead of prefilled, by model (target, drafter).",
+            tag_keys=("part",),
+        )
         self.seq_rounds = 0
         self.total_emitted = 0
 
@@ -81,6 +90,9 @@ class ServingMetrics:
         inc(self.ahead_hits, r.ahead_hits)
         inc(self.ahead_misses, r.ahead_misses)
         inc(self.ahead_dropped, r.ahead_dropped)
+        inc(self.prefix_queries, r.prompt_tokens)
+        inc(self.prefix_hits, r.prefix_hit_tokens, {"part": "target"})
+        inc(self.prefix_hits, r.draft_prefix_hit_tokens, {"part": "drafter"})
         self.seq_rounds += r.batch_size
         self.total_emitted += r.emitted
         self.mean_len.set(self.total_emitted / self.seq_rounds)

@@ -12,16 +12,18 @@ replica is gone anyway, and a live replica's LRU reclaims what a lost release le
 
 import logging
 import time
+from collections import Counter, OrderedDict
 
 from fly_serve.contracts import Drafts, Row, Verdict
 from fly_serve.row_history import RowSender, rows_unknown
 
 from .app_args import DEFAULT_CALL_TIMEOUT_S
-from .replica_pool import group_tag, split
+from .replica_pool import group_of, group_tag, pick_group, prefix_affinity
 
 log = logging.getLogger("fly_serve.remote_parts")
 
 RELEASE_TIMEOUT_S = 5.0  # at most; the engine thread waits for releases between rounds
+MAX_PINS = 4096  # rows whose drafter group is remembered (running ones; a lost release ages out)
 
 
 class RemoteTimeout(TimeoutError):
@@ -89,6 +91,9 @@ class RemoteDrafter:
     each group is one call, tagged "g<i>" so that replica_pool.PinnedRouter sends it to the
     replica that drafted those rows before (and holds their KV caches). The group calls run
     concurrently, under one deadline: a round's drafting takes as long as its largest group.
+    A row's group is picked once, by its prompt's prefix (replica_pool.pick_group: where its
+    prefix is likely cached, within a bound on load), and kept until it is released or the
+    number of groups changes.
 
     `live` returns the number of live replicas (replica_pool.LiveReplicas); without it, one group."""
 
@@ -99,6 +104,7 @@ class RemoteDrafter:
         # refused there as unknown and sent whole: tokens only grow, so any replica's history of
         # a row is a prefix of it.
         self.rows = RowSender()
+        self.pins: OrderedDict[str, tuple[int, int]] = OrderedDict()  # key -> (groups then, group)
 
     def _groups(self) -> int:
         return max(1, min(self.max_groups, self.live()))
@@ -115,8 +121,26 @@ class RemoteDrafter:
         self.rows.sent(rows)
         return out
 
+    def assign(self, rows: list[Row]) -> dict[int, list[int]]:
+        """Indices of the rows by group: a pinned row keeps its group while the number of groups
+        stays; a new one is picked by its prefix among the rows pinned now."""
+        n = self._groups()
+        loads = Counter(g for m, g in self.pins.values() if m == n)
+        groups: dict[int, list[int]] = {}
+        for i, r in enumerate(rows):
+            pin = self.pins.get(r.key)
+            if pin is None or pin[0] != n:
+                pin = (n, pick_group(prefix_affinity(r.tokens, r.key), n, loads))
+                loads[pin[1]] += 1
+                self.pins[r.key] = pin
+            self.pins.move_to_end(r.key)
+            groups.setdefault(pin[1], []).append(i)
+        while len(self.pins) > MAX_PINS:  # a lost release costs a pin, never memory without end
+            self.pins.popitem(last=False)
+        return groups
+
     def _propose(self, rows: list[Row]) -> Drafts:
-        groups = split([r.key for r in rows], self._groups())
+        groups = self.assign(rows)
         compact = self.rows.compact(rows)
         calls = {g: self._for(g).propose.remote([compact[i] for i in idx]) for g, idx in groups.items()}
         deadline = time.monotonic() + self.timeout_s
@@ -141,13 +165,21 @@ class RemoteDrafter:
                 out.row_forwards = out.row_forwards or [0] * len(rows)
                 for j, i in enumerate(idx):
                     out.row_forwards[i] = got.row_forwards[j]
+            if got.prefix_hit_tokens is not None:
+                out.prefix_hit_tokens = out.prefix_hit_tokens or [0] * len(rows)
+                for j, i in enumerate(idx):
+                    out.prefix_hit_tokens[i] = got.prefix_hit_tokens[j]
         return out
 
     def release(self, keys: list[str]) -> None:
         # The pool may have changed since the rows were drafted: a release that misses leaves
         # the slot to the replica's LRU.
         self.rows.forget(keys)
-        groups = split(keys, self._groups())
+        groups: dict[int, list[int]] = {}
+        n = self._groups()
+        for i, key in enumerate(keys):
+            pin = self.pins.pop(key, None)
+            groups.setdefault(pin[1] if pin and pin[0] == n else group_of(key, n), []).append(i)
         calls = [self._for(g).release.remote([keys[i] for i in idx]) for g, idx in groups.items()]
         release_all(calls, min(self.timeout_s, RELEASE_TIMEOUT_S), "drafter")
 

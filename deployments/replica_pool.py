@@ -10,6 +10,13 @@ that moves is only a cache miss on its new replica).
 Rows are assigned to groups by rendezvous hashing: when the pool grows from n to n + 1 replicas,
 only about 1/(n + 1) of the rows move.
 
+Prefix affinity. A drafter replica holds a prefix cache (fly_serve/kv_cache.py), so a row is
+hashed by its prompt's first AFFINITY_TOKENS tokens (a shorter prompt: by its key): requests
+that share a system prompt or a conversation so far meet the replica that holds its blocks
+(the rule of Ray Serve LLM's prefix-aware router, on tokens). Consistent hashing with bounded
+loads (`pick_group`) keeps one hot prefix from taking every row: past (1 + LOAD_SLACK) x the
+mean load (+ 1), a row falls to the next group in its own ranking (the least loaded in the limit).
+
 The same router pins serving units: ingress replica r tags its target calls "g<r>", so each
 ingress replica talks to its own target replica (no shared KV slot pool).
 
@@ -23,6 +30,7 @@ import logging
 import math
 import threading
 import time
+from array import array
 
 from ray import serve
 from ray.serve.config import AutoscalingContext
@@ -48,6 +56,32 @@ def group_of(key: str, n_groups: int) -> int:
     salted hash(); not crc32 either, whose linearity skews the weights), and growing n moves
     only the keys the new group wins."""
     return max(range(n_groups), key=lambda g: hashlib.blake2b(f"{g}:{key}".encode(), digest_size=8).digest())
+
+
+def ranking(key: str, n_groups: int) -> list[int]:
+    """The groups in the key's rendezvous order, best first (group_of is the first)."""
+    weight = {g: hashlib.blake2b(f"{g}:{key}".encode(), digest_size=8).digest() for g in range(n_groups)}
+    return sorted(range(n_groups), key=weight.__getitem__, reverse=True)
+
+
+AFFINITY_TOKENS = 64  # four KV blocks of 16: past a chat template's fixed head
+LOAD_SLACK = 0.5  # a group may hold up to 1.5x the mean rows before its prefix's rows spill over
+
+
+def prefix_affinity(tokens: list[int], key: str) -> str:
+    """What a row is routed by: its first AFFINITY_TOKENS tokens (the start of the prefix it may
+    share with other requests), or its own key when the prompt is shorter."""
+    if len(tokens) < AFFINITY_TOKENS:
+        return key
+    return "p" + hashlib.blake2b(array("q", tokens[:AFFINITY_TOKENS]).tobytes(), digest_size=8).hexdigest()
+
+
+def pick_group(affinity: str, n_groups: int, loads: dict[int, int], slack: float = LOAD_SLACK) -> int:
+    """Consistent hashing with bounded loads: the first group in the affinity's ranking that holds
+    fewer than ceil((1 + slack) x the mean rows, this one counted) + 1 (so that a few rows of one
+    prefix stay together in a small batch); `loads`: rows per group now."""
+    bound = math.ceil((1 + slack) * (sum(loads.values()) + 1) / n_groups) + 1
+    return next(g for g in ranking(affinity, n_groups) if loads.get(g, 0) < bound)
 
 
 def split(keys: list[str], n_groups: int) -> dict[int, list[int]]:

@@ -36,6 +36,7 @@ def scorer_for(model, config: EngineConfig, vocab_size: int, tp_group=None, samp
         vocab_size=vocab_size,
         kv_budget_tokens=config.target_budget,
         sample=sample,
+        prefix_cache=config.prefix_cache,
     )
 
 
@@ -46,6 +47,7 @@ def drafter_for(model, config: EngineConfig, vocab_size: int) -> ModelDrafter:
         min_confidence=config.draft_min_confidence,
         vocab_size=vocab_size,
         kv_budget_tokens=config.drafter_budget,
+        prefix_cache=config.prefix_cache,
     )
 
 
@@ -109,6 +111,7 @@ def build_engine(
     kv_budget_tokens: int | None = None,
     target_kv_budget_tokens: int | None = None,
     drafter_kv_budget_tokens: int | None = None,
+    prefix_cache: bool = False,
     device=None,
     calibrate: bool | None = None,
     progress=print,
@@ -121,7 +124,8 @@ def build_engine(
     other knob at once (EngineConfig); the keywords are its fields for callers without one.
     KV budgets, in tokens each cache holds (requests are admitted within the target's):
     target_kv_budget_tokens and drafter_kv_budget_tokens, each defaulting to kv_budget_tokens,
-    which defaults to max_batch sequences of 4096. device: where models given by name load
+    which defaults to max_batch sequences of 4096. prefix_cache: share the KV blocks of a common
+    token prefix between requests (kv_cache.py). device: where models given by name load
     (default: this process's, devices.local_device). drafter_head_cut: cut a drafter loaded by
     name to the lm_head rows of ids below it (head_cut.py); ignored without a drafter, refused
     with a loaded one (cut that with head_cut.cut_head).
@@ -146,6 +150,7 @@ def build_engine(
             draft_ahead=draft_ahead,
             draft_threads=draft_threads,
             verify_threads=verify_threads,
+            prefix_cache=prefix_cache,
         )
     check_head_cut(config.drafter_head_cut, "drafter_head_cut")
     names = model_name(target), model_name(drafter)  # for the calibration's key, before loading

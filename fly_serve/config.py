@@ -32,6 +32,9 @@ class EngineConfig:
     draft_ahead: bool = False
     draft_threads: int = 0
     verify_threads: int = 0
+    # Share full KV blocks between sequences with the same token prefix (kv_cache.py), on the
+    # target (every TP rank) and the drafter; off: every request prefills its whole prompt.
+    prefix_cache: bool = False
 
     def params(self) -> Params:
         return Params.from_dict(self.defaults)

@@ -60,6 +60,9 @@ class Drafts:
     compute_s: float | None = None
     # per row, the drafter's own next token a peeking row (Row.peek) drafted after; None elsewhere
     guesses: list[int | None] | None = None
+    # per row, prompt tokens this call took from the drafter's prefix cache instead of feeding
+    # them (kv_cache.py); None: not reported
+    prefix_hit_tokens: list[int] | None = None
 
     @classmethod
     def empty(cls, n_rows: int) -> "Drafts":
@@ -89,6 +92,7 @@ class Verdict:
     topk: torch.Tensor | None = None
     plausibility: torch.Tensor | None = None
     compute_s: float | None = None  # seconds the target computed, as its replica reports it (as Drafts')
+    prefix_hit_tokens: list[int] | None = None  # per row, as Drafts' (the target's prefix cache)
 
 
 class DraftSource(Protocol):
@@ -152,6 +156,9 @@ class RoundResult:
     ahead_s: float = 0.0
     verify_wait_s: float = 0.0
     draft_wait_s: float = 0.0
+    prompt_tokens: int = 0  # prompt tokens of the rows in their first round (the prefix cache's queries)
+    prefix_hit_tokens: int = 0  # tokens the target's prefix cache saved feeding, all rows
+    draft_prefix_hit_tokens: int = 0  # the same on the drafter
 
     @property
     def batch_size(self) -> int:
@@ -182,5 +189,8 @@ class RoundResult:
             "ahead_s",
             "verify_wait_s",
             "draft_wait_s",
+            "prompt_tokens",
+            "prefix_hit_tokens",
+            "draft_prefix_hit_tokens",
         ):
             setattr(self, name, getattr(self, name) + getattr(other, name))

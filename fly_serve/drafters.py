@@ -72,8 +72,9 @@ class ModelDrafter:
         min_confidence: float = 0.0,
         vocab_size: int | None = None,
         kv_budget_tokens: int | None = None,
+        prefix_cache: bool = False,
     ):
-        self.runner = Runner(model, n_slots=n_slots, budget_tokens=kv_budget_tokens)
+        self.runner = Runner(model, n_slots=n_slots, budget_tokens=kv_budget_tokens, prefix_cache=prefix_cache)
         self.kv_capacity_tokens = self.runner.cache.capacity_tokens
         # MLA levels by name (params.MLA_SOURCES); the engine shares its suffix index and token
         # recycler here (share_sources), so a standalone drafter has prompt lookup only.
@@ -100,6 +101,7 @@ class ModelDrafter:
             "misses": self.misses,
             "hit_rate": self.hits / seen if seen else 0.0,
             "forwards": self.forwards,
+            "prefix_hit_tokens": self.runner.cache.hit_tokens_total,
         }
 
     def share_sources(self, sources: dict[str, DraftSource]) -> None:
@@ -133,7 +135,8 @@ class ModelDrafter:
         for b, g in enumerate(guesses or []):
             if g is not None and rows[b].key in self.bets:  # the bet stands if a later call continues it
                 self.bets[rows[b].key] = (self.bets[rows[b].key][0], rows[b].tokens)
-        return Drafts(drafts, q, forwards, row_forwards, guesses=guesses)
+        hits = self.runner.cache.take_hits([r.key for r in rows])  # prefill the prefix cache saved
+        return Drafts(drafts, q, forwards, row_forwards, guesses=guesses, prefix_hit_tokens=hits)
 
     def _peek(self, rows: list[Row]) -> tuple[list[Row], list[int | None]]:
         """Each peeking row's tokens extended by the drafter's own next token, in one batched

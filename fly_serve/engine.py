@@ -47,6 +47,10 @@ log = logging.getLogger("fly_serve.engine")
 POLICY_KINDS = {"model": MODEL, "lookup": PLD, "suffix": SUFFIX, "recycle": RECYCLE, None: NONE}
 
 
+def _at(per_row: list[int] | None, b: int) -> int:
+    return 0 if per_row is None else per_row[b]
+
+
 def kv_need(n_prompt: int, params: Params) -> int:
     """KV tokens a request may hold at its longest: its whole output plus one round's drafts."""
     return n_prompt + params.max_tokens + params.k_cap + 1
@@ -297,6 +301,11 @@ class Engine:
             result.emitted += committed
             if n_loose[b]:
                 req.stats.note_loose(before, loosely[b], committed)
+            hit, draft_hit = _at(verdict.prefix_hit_tokens, b), _at(drafts.prefix_hit_tokens, b)
+            req.stats.add_prefix_hits(hit, draft_hit)
+            result.prompt_tokens += req.n_prompt if req.stats.rounds == 1 else 0
+            result.prefix_hit_tokens += hit
+            result.draft_prefix_hit_tokens += draft_hit
         self.policy.record(
             [r.key for r in rows],
             [len(d) for d in drafts.tokens],
@@ -449,6 +458,10 @@ class Engine:
                 drafts.tokens[b], drafts.q[b] = got.tokens[i], got.q[i]
             if kind == "model" and not fallback:  # the forwards k "auto" costs and learns MLA from
                 drafts.forwards, drafts.compute_s = got.forwards, got.compute_s
+                if got.prefix_hit_tokens is not None:
+                    drafts.prefix_hit_tokens = drafts.prefix_hit_tokens or [0] * len(rows)
+                    for i, b in enumerate(idx):
+                        drafts.prefix_hit_tokens[b] = got.prefix_hit_tokens[i]
                 if got.row_forwards is not None:
                     drafts.row_forwards = drafts.row_forwards or [0] * len(rows)
                     for i, b in enumerate(idx):

@@ -12,15 +12,32 @@ roll back (they are not in the sequence any more), a sequence seen for the first
 prefilled, a sequence that another replica advanced is caught up, and nothing already cached is
 ever recomputed.
 
+Prefix cache (prefix_cache=True: vLLM's automatic prefix caching, under the same rule). A full
+block is registered under the hash of every token from position 0 to its end (chained: the hash
+of the block before it and its own tokens); its keys and values are a function of those tokens
+alone (causal attention, rotary by absolute position, and a prefix always sits at the same
+positions). plan() lets a row adopt its leading full blocks from the registry instead of feeding
+them (reference-counted), never the block of its last token nor one past its limit: the forward
+needs at least one fed token for logits. A write never goes into a block another sequence holds
+(copy-on-write: a fresh block, the valid head copied when the write starts mid-block), and a
+registered block written into leaves the registry first. The registered blocks of a released
+or evicted sequence stay cached while no sequence holds them, evictable least recently used
+first when a new block needs their room (free_blocks() counts them as free); blocks a rollback
+drops (rejected drafts, rarely asked for again) are freed. Off (the default), nothing is
+registered or adopted: every refcount is 1.
+
 Block 0 is scratch: table entries past a sequence's blocks point at it, so the padding of a
 right-padded batch writes there instead of into another sequence's blocks, and reads past a row's
 end (hidden by the attention mask) see finite garbage. Positions past a row's valid length inside
 its own last block hold garbage too, which the mask hides and the next write overwrites.
 """
 
+import hashlib
 import heapq
 import os
+from array import array
 from collections import OrderedDict
+from dataclasses import dataclass, field
 
 import torch
 
@@ -81,6 +98,33 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def block_hash(parent: bytes, tokens: list[int]) -> bytes:
+    """The registry key of a full block: chained from the block before it (b"" for the first),
+    so it stands for every token from position 0 to the block's end. blake2b, not hash(): the
+    same in every process (every TP rank must decide alike), and 128 bits rule out collisions."""
+    return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
+
+
+@dataclass
+class _Edit:
+    """What plan() will do to one row, worked out before anything changes (all or nothing)."""
+
+    start: int  # positions [0, start) are valid after the plan
+    blocks: list[int]  # the row's blocks after the plan; FRESH: one to take
+    hashes: list[bytes]  # chained hashes of its leading full valid blocks
+    adopted: list[int] = field(default_factory=list)  # blocks taken from the registry (ref + 1)
+    released: list[int] = field(default_factory=list)  # blocks it lets go of (ref - 1)
+    written: list[int] = field(default_factory=list)  # own blocks it writes into (leave the registry)
+    copy_from: int | None = None  # the first fresh block starts as a copy of this one (copy-on-write)
+
+    @property
+    def fresh(self) -> int:
+        return self.blocks.count(FRESH)
+
+
+FRESH = -1  # in an _Edit's blocks: a block still to take
+
+
 class KVCache:
     """Paged KV cache for one model (one tensor-parallel rank).
 
@@ -88,7 +132,8 @@ class KVCache:
     or budget_tokens (tokens held at once, all sequences together). initial_tokens: allocate that
     much and grow the pool (by doubling, copying it) up to the budget as needed; None allocates the
     whole budget now. max_seqs: keep at most this many sequences; past it the least recently used
-    idle sequence is dropped (None: bounded by blocks only).
+    idle sequence is dropped (None: bounded by blocks only). prefix_cache: share full blocks
+    between sequences with the same token prefix (module docstring).
 
     Under tensor parallelism every rank must take the same decisions, so give all ranks the same
     budget_tokens (a byte budget from each rank's own free memory could differ).
@@ -107,11 +152,13 @@ class KVCache:
         block_size: int = 16,
         max_seqs: int | None = None,
         initial_tokens: int | None = None,
+        prefix_cache: bool = False,
     ):
         if (budget_bytes is None) == (budget_tokens is None):
             raise ValueError("give exactly one of budget_bytes, budget_tokens")
         self.n_layers, self.kv_heads, self.head_dim = n_layers, kv_heads, head_dim
         self.dtype, self.device, self.block_size, self.max_seqs = dtype, torch.device(device), block_size, max_seqs
+        self.prefix_cache = prefix_cache
         if budget_tokens is not None:
             self.n_blocks = budget_tokens // block_size
         else:
@@ -127,12 +174,23 @@ class KVCache:
         # A heap: the lowest free block first, so that a sequence growing alone, or starting in a
         # mostly free pool, gets consecutive blocks (then a forward reads them as a slice).
         self.free: list[int] = []
+        # Per block: the sequences holding it; and the prefix registry both ways. A registered
+        # block held by none is `evictable` (least recently released first), not free.
+        self.ref = [0] * (self.n_blocks + 1)
+        self.registry: dict[bytes, int] = {}
+        self.hash_of: dict[int, bytes] = {}
+        self.evictable: OrderedDict[int, None] = OrderedDict()
         self._grow(self.n_blocks if initial_tokens is None else min(self.n_blocks, cdiv(initial_tokens, block_size)))
-        # Per sequence id: the tokens it holds and its blocks; keys map to ids, least recent first.
+        # Per sequence id: the tokens it holds, its blocks and the chained hashes of its full ones;
+        # keys map to ids, least recent first.
         self.seq_of: OrderedDict[str, int] = OrderedDict()
         self.tokens: list[list[int]] = []
         self.blocks: list[list[int]] = []
+        self.hashes: list[list[bytes]] = []
         self.free_seqs: list[int] = []
+        # Prefix cache hits: tokens adopted per key since the caller last took them, and in all.
+        self.hits: dict[str, int] = {}
+        self.hit_tokens_total = 0
         # The block tables as one CPU tensor [sequences, blocks], SCRATCH past each one's blocks;
         # a forward takes its rows in one indexing op.
         self.table = torch.full((1, 1), SCRATCH, dtype=torch.long)
@@ -149,7 +207,8 @@ class KVCache:
         return self.n_blocks * self.block_size
 
     def free_blocks(self) -> int:
-        return len(self.free) + self.n_blocks - self.allocated
+        """Blocks a new block can come from: free, not yet allocated, or cached but held by none."""
+        return len(self.free) + len(self.evictable) + self.n_blocks - self.allocated
 
     def free_tokens(self) -> int:
         """Tokens that whole free blocks hold; room left in sequences' last blocks is not counted."""
@@ -162,6 +221,10 @@ class KVCache:
     def blocks_held(self, key: str) -> int:
         s = self.seq_of.get(key)
         return 0 if s is None else len(self.blocks[s])
+
+    def take_hits(self, keys: list[str]) -> list[int]:
+        """Prefix cache hit tokens of each key since the last call (then zero)."""
+        return [self.hits.pop(key, 0) for key in keys]
 
     # ---- the content rule
     def valid(self, key: str, tokens: list[int]) -> int:
@@ -178,65 +241,148 @@ class KVCache:
 
         At least the last token is always fed (its logits are what the caller wants), and never
         is `start` past the row's limit, for callers that need logits from a given position on.
-        Each row ends up owning the blocks its tokens need. All or nothing: if the blocks do not
-        fit even after evicting idle sequences (least recently used first; never one of `keys` or
-        `protect`), raises KVCacheFull and changes nothing.
+        Each row ends up owning the blocks its tokens need (prefix cache: sharing the leading
+        full blocks it adopted). All or nothing: if the blocks do not fit even after evicting idle
+        sequences (least recently used first; never one of `keys` or `protect`), raises
+        KVCacheFull and changes nothing.
         """
         if len(set(keys)) != len(keys):
             raise ValueError(f"a key appears twice in one call: {keys}")
         if not all(tokens):
             raise ValueError("every row needs at least one token")
         limits = limits or [None] * len(keys)
-        starts, deltas = [], []
-        for key, toks, limit in zip(keys, tokens, limits):
-            s = self.seq_of.get(key)
-            start = min(self.valid(key, toks), len(toks) - 1)
-            if limit is not None:
-                start = min(start, limit)
-            starts.append(start)
-            # Blocks kept past `start` are overwritten, not freed and taken again.
-            deltas.append(cdiv(len(toks), self.block_size) - (0 if s is None else len(self.blocks[s])))
-        victims = self._victims(keys, deltas, set(keys) | set(protect))
+        starts = [self._start(key, toks, limit) for key, toks, limit in zip(keys, tokens, limits)]
+        # A row's own registered blocks that it may write into in place must not be adopted by
+        # another row of the same call.
+        mine = {b for key, st in zip(keys, starts) for b in self._writable(key, st)}
+        edits = [self._edit(key, toks, st, mine) for key, toks, st in zip(keys, tokens, starts)]
+        victims = self._victims(keys, edits, set(keys) | set(protect))
 
         for key in victims:
             self._drop(key)
-        plans = [(self._seq(key), start) for key, start in zip(keys, starts)]
-        for (s, start), delta in zip(plans, deltas):  # shrink first: their blocks serve growth below
-            self.tokens[s] = self.tokens[s][:start]
-            if delta < 0:
-                self._shrink(s, len(self.blocks[s]) + delta)
-        for (s, _), delta in zip(plans, deltas):
-            if delta > 0:
-                self._extend(s, delta)
+        seqs = [self._seq(key) for key in keys]
+        for e in edits:  # let go first: freed blocks serve the growth below
+            for b in e.released:  # rolled back (rejected drafts): rarely asked for again, so free
+                self._unref(b, keep_cached=False)
+        for e in edits:  # then adopt: a cached block is taken before any eviction could reach it
+            for b in e.adopted:
+                self._addref(b)
+        for key, s, e, toks in zip(keys, seqs, edits, tokens):
+            for b in e.written:
+                self._unregister(b)
+            self._apply(s, e, toks)
+            hit = len(e.adopted) * self.block_size
+            if hit:
+                self.hits[key] = self.hits.get(key, 0) + hit
+                self.hit_tokens_total += hit
+        # Copy sources only now: freed earlier, one could have become another row's fresh block
+        # and been copied into before its own copy was read. (_victims counts none of them as
+        # freed: at worst one more idle sequence is evicted.)
+        for e in edits:
+            if e.copy_from is not None:
+                self._unref(e.copy_from, keep_cached=False)
         if self.max_seqs is not None and len(self.seq_of) > self.max_seqs:
             idle = [k for k in self.seq_of if k not in keys and k not in protect]
             for key in idle[: max(0, len(self.seq_of) - self.max_seqs)]:
                 self._drop(key)
-        return plans
+        return [(s, e.start) for s, e in zip(seqs, edits)]
 
-    def _victims(self, keys: list[str], deltas: list[int], busy: set) -> list[str]:
-        """The idle keys to evict, least recently used first, so that every row's growth fits;
-        raises KVCacheFull (naming the first row that does not fit) when even all of them would not do."""
-        free = self.free_blocks() + sum(-d for d in deltas if d < 0)
-        need = sum(d for d in deltas if d > 0)
+    def _start(self, key: str, toks: list[int], limit: int | None) -> tuple[int, int]:
+        """(start, cap): the row's valid prefix before any adoption, and how far it may go."""
+        cap = len(toks) - 1 if limit is None else min(len(toks) - 1, limit)
+        return min(self.valid(key, toks), cap), cap
+
+    def _writable(self, key: str, start_cap: tuple[int, int]) -> list[int]:
+        """The key's registered blocks held by it alone from its valid prefix's last block on."""
+        s = self.seq_of.get(key)
+        if s is None or not self.prefix_cache:
+            return []
+        old = self.blocks[s][start_cap[0] // self.block_size :]
+        return [b for b in old if self.ref[b] == 1 and b in self.hash_of]
+
+    def _edit(self, key: str, toks: list[int], start_cap: tuple[int, int], avoid: set) -> _Edit:
+        """One row's plan, nothing changed yet: keep its valid blocks, adopt cached full blocks
+        after them (none in `avoid`), and write the rest into blocks it alone holds (fresh ones
+        where a block is shared)."""
+        bs, (start, cap) = self.block_size, start_cap
+        s = self.seq_of.get(key)
+        old = [] if s is None else self.blocks[s]
+        lo = start // bs  # blocks [0, lo) hold only valid positions: kept as they are
+        hashes = [] if s is None else self.hashes[s][:lo]
+        adopted = []
+        if self.prefix_cache:
+            for i in range(lo, cap // bs):  # only blocks that end at or before cap
+                h = block_hash(hashes[-1] if hashes else b"", toks[i * bs : (i + 1) * bs])
+                b = self.registry.get(h)
+                if b is None or b in avoid:
+                    break
+                adopted.append(b)
+                hashes.append(h)
+        if adopted:
+            start = (lo + len(adopted)) * bs
+        n_need = cdiv(len(toks), bs)
+        blocks = old[:lo] + adopted
+        e = _Edit(start, blocks, hashes)
+        for i in range(len(blocks), n_need):  # the blocks written into
+            b = old[i] if i < len(old) else None
+            if b is not None and self.ref[b] == 1 and b not in adopted:
+                blocks.append(b)  # its own: written in place
+                e.written.append(b)
+            else:
+                blocks.append(FRESH)
+                if b is not None and i * bs < start:  # shared, and its head is still valid
+                    e.copy_from = b
+        e.adopted = [b for i, b in enumerate(adopted) if i + lo >= len(old) or old[i + lo] != b]
+        kept = set(blocks) | {e.copy_from}  # a copy's source is let go of after every copy (plan)
+        e.released = [b for b in old[lo:] if b not in kept]
+        return e
+
+    def _victims(self, keys: list[str], edits: list[_Edit], busy: set) -> list[str]:
+        """The idle keys to evict, least recently used first, so that every row's fresh blocks fit;
+        raises KVCacheFull (naming the first row that does not fit) when even all of them would
+        not do. Counts by projected refcounts: a released block another sequence still holds
+        frees nothing, and a cached block a row adopts is no longer free."""
+        refs: dict[int, int] = {}
+
+        def change(b: int, d: int) -> int:  # the change in free blocks
+            before = refs.get(b, self.ref[b])
+            refs[b] = before + d
+            return (refs[b] == 0) - (before == 0)
+
+        free = self.free_blocks()
+        for e in edits:
+            free += sum(change(b, -1) for b in e.released)
+        for e in edits:
+            free += sum(change(b, +1) for b in e.adopted)
+        need = sum(e.fresh for e in edits)
         victims = []
         for key in self.seq_of:
             if free >= need:
                 break
             if key not in busy:
                 victims.append(key)
-                free += len(self.blocks[self.seq_of[key]])
+                free += sum(change(b, -1) for b in self.blocks[self.seq_of[key]])
         if free < need:
-            for key, d in zip(keys, deltas):
-                if d > free:
-                    raise KVCacheFull(key, d, free)
-                free -= max(d, 0)
+            for key, e in zip(keys, edits):
+                if e.fresh > free:
+                    raise KVCacheFull(key, e.fresh, free)
+                free -= e.fresh
         return victims
 
     def wrote(self, seq: int, tokens: list[int]):
-        """Record that `tokens` were written after the sequence's valid prefix."""
-        self.tokens[seq] = self.tokens[seq] + list(tokens)
-        assert len(self.tokens[seq]) <= len(self.blocks[seq]) * self.block_size
+        """Record that `tokens` were written after the sequence's valid prefix; with the prefix
+        cache, register the blocks that are now full."""
+        self.tokens[seq] = toks = self.tokens[seq] + list(tokens)
+        assert len(toks) <= len(self.blocks[seq]) * self.block_size
+        if not self.prefix_cache:
+            return
+        bs, hashes = self.block_size, self.hashes[seq]
+        for i in range(len(hashes), len(toks) // bs):
+            h = block_hash(hashes[-1] if hashes else b"", toks[i * bs : (i + 1) * bs])
+            hashes.append(h)
+            b = self.blocks[seq][i]
+            if h not in self.registry and b not in self.hash_of:  # a duplicate stays private
+                self.registry[h], self.hash_of[b] = b, h
 
     @torch.inference_mode()
     def release(self, keys):
@@ -271,35 +417,80 @@ class KVCache:
             s = len(self.tokens)
             self.tokens.append([])
             self.blocks.append([])
+            self.hashes.append([])
             if s >= self.table.shape[0]:
                 pad = torch.full((self.table.shape[0], self.table.shape[1]), SCRATCH, dtype=torch.long)
                 self.table = torch.cat([self.table, pad])
         self.seq_of[key] = s
         return s
 
+    def _apply(self, seq: int, e: _Edit, toks: list[int]):
+        """The row's new blocks, tokens and hashes (its releases and adoptions already done)."""
+        blocks = list(e.blocks)
+        for i, b in enumerate(blocks):
+            if b == FRESH:
+                blocks[i] = self._take()
+                if e.copy_from is not None and i == e.start // self.block_size:  # the first fresh one
+                    self._copy(e.copy_from, blocks[i])
+        n_old = len(self.blocks[seq])
+        if len(blocks) > self.table.shape[1]:
+            self._widen(len(blocks))
+        self.table[seq, len(blocks) : max(n_old, len(blocks))] = SCRATCH
+        if blocks:
+            self.table[seq, : len(blocks)] = torch.tensor(blocks)
+        self.blocks[seq] = blocks
+        self.tokens[seq] = toks[: e.start]  # adopted blocks hold the row's own tokens (their hash)
+        self.hashes[seq] = e.hashes
+
     def _drop(self, key: str):
         s = self.seq_of.pop(key, None)
         if s is not None:
-            self._shrink(s, 0)
-            self.tokens[s] = []
+            for b in self.blocks[s]:
+                self._unref(b)
+            self.table[s, : len(self.blocks[s])] = SCRATCH
+            self.blocks[s], self.tokens[s], self.hashes[s] = [], [], []
+            self.hits.pop(key, None)
             self.free_seqs.append(s)
 
-    def _shrink(self, seq: int, n: int):
-        gone = self.blocks[seq][n:]
-        self.blocks[seq] = self.blocks[seq][:n]
-        self.table[seq, n : n + len(gone)] = SCRATCH
-        for b in gone:
-            heapq.heappush(self.free, b)
+    def _addref(self, b: int):
+        if self.ref[b] == 0:
+            del self.evictable[b]  # only a registered block is ever adopted
+        self.ref[b] += 1
 
-    def _extend(self, seq: int, n: int):
-        if n > len(self.free):
-            self._grow(n - len(self.free))
-        new = [heapq.heappop(self.free) for _ in range(n)]
-        old = len(self.blocks[seq])
-        self.blocks[seq] = self.blocks[seq] + new
-        if old + n > self.table.shape[1]:
-            self._widen(old + n)
-        self.table[seq, old : old + n] = torch.tensor(new)
+    def _unref(self, b: int, keep_cached: bool = True):
+        """keep_cached: a registered block no sequence holds stays cached (evictable), else it
+        leaves the registry and is free."""
+        self.ref[b] -= 1
+        if self.ref[b] == 0:
+            if not keep_cached:
+                self._unregister(b)
+            if b in self.hash_of:
+                self.evictable[b] = None  # most recently released last
+            else:
+                heapq.heappush(self.free, b)
+
+    def _unregister(self, b: int):
+        h = self.hash_of.pop(b, None)
+        if h is not None:
+            del self.registry[h]
+
+    def _take(self) -> int:
+        """A block for a sequence: a free one, else the pool grows, else the least recently
+        released cached block is evicted."""
+        if not self.free and self.allocated < self.n_blocks:
+            self._grow(1)
+        if self.free:
+            b = heapq.heappop(self.free)
+        else:
+            b, _ = self.evictable.popitem(last=False)
+            self._unregister(b)
+        self.ref[b] = 1
+        return b
+
+    def _copy(self, src: int, dst: int):
+        bs = self.block_size
+        for pool in (*self.k, *self.v):
+            pool[dst * bs : (dst + 1) * bs] = pool[src * bs : (src + 1) * bs]
 
     def _widen(self, n_blocks: int):
         rows, width = self.table.shape

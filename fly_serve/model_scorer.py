@@ -19,8 +19,11 @@ class ModelScorer:
         kv_budget_tokens: int | None = None,
         topk: int = 8,
         sample: bool = True,
+        prefix_cache: bool = False,
     ):
-        self.runner = Runner(model, n_slots=n_slots, tp_group=tp_group, budget_tokens=kv_budget_tokens)
+        self.runner = Runner(
+            model, n_slots=n_slots, tp_group=tp_group, budget_tokens=kv_budget_tokens, prefix_cache=prefix_cache
+        )
         self.kv_capacity_tokens = self.runner.cache.capacity_tokens  # the engine admits within it
         # The tokens the tokenizer knows: logits past them (padding rows of a wider head) are
         # cut, so target and drafter distributions always have the same width.
@@ -64,7 +67,8 @@ class ModelScorer:
                 if r.entropy:
                     h[b, :nb] = entropy(p[:-1], r.entropy).cpu()
         top = logits.topk(min(self.topk, logits.shape[-1]), dim=-1).indices.cpu() if self.topk > 0 else None
-        return Verdict(ok, y, h, support, top, plausibility=ratio)
+        hits = self.runner.cache.take_hits(keys)  # prefill the prefix cache saved, per row
+        return Verdict(ok, y, h, support, top, plausibility=ratio, prefix_hit_tokens=hits)
 
     def release(self, keys: list[str]) -> None:
         self.runner.release(keys)

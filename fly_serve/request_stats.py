@@ -26,6 +26,9 @@ class RequestStats:
     # position in the output tokens (0-based) of the first loosely accepted draft that reached the
     # output; None: none did
     first_loose_pos: int | None = None
+    # prompt tokens taken from the prefix cache instead of prefilled (kv_cache.py): target, drafter
+    prefix_hit_tokens: int = 0
+    draft_prefix_hit_tokens: int = 0
 
     def add_round(self, drafted: int, accepted: int, loosely: int, round_) -> None:
         """Count one round: `accepted` exact and `loosely` kept of `drafted` drafts; round_ gives
@@ -42,6 +45,10 @@ class RequestStats:
         self.decide_s += round_.decide_s
         self.verify_wait_s += round_.verify_wait_s
         self.draft_wait_s += round_.draft_wait_s
+
+    def add_prefix_hits(self, target: int, drafter: int) -> None:
+        self.prefix_hit_tokens += target
+        self.draft_prefix_hit_tokens += drafter
 
     def note_loose(self, emitted_before: int, loosely, committed: int) -> None:
         """Record where the first loose accept sits: `loosely` [K] marks this round's loosely kept

@@ -98,6 +98,7 @@ class Runner:
         block_size: int = 16,
         max_seqs: int | None = None,
         capture: str = "auto",
+        prefix_cache: bool = False,
     ):
         """n_slots: sequences held at once (idle ones past it are evicted, least recently used
         first; max_seqs overrides). KV cache budget: budget_bytes or budget_tokens (e.g. from
@@ -105,7 +106,8 @@ class Runner:
         tokens, allocated as needed from n_slots x `capacity` tokens (DEFAULT_INITIAL_TOKENS when
         not given) on (on a GPU, the whole budget now: grown_from). `capacity` keeps its old
         meaning: a starting size, not a limit. capture: "auto" (CUDA graphs for one-token forwards
-        on a GPU without TP), "on", "off" (graphs.capture_mode)."""
+        on a GPU without TP), "on", "off" (graphs.capture_mode). prefix_cache: sequences with the same
+        token prefix share its full blocks (kv_cache.py)."""
         cfg = model.config
         self.model, self.cfg, self.tp_group = model, cfg, tp_group
         tp = torch.distributed.get_world_size(tp_group) if tp_group is not None else 1
@@ -130,6 +132,7 @@ class Runner:
             block_size=block_size,
             max_seqs=max_seqs or n_slots,
             initial_tokens=initial,
+            prefix_cache=prefix_cache,
         )
         self.vocab_size = cfg.vocab_size
         # One-token forwards replayed from CUDA graphs where that applies (graphs.capture_mode).

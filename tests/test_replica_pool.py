@@ -65,3 +65,32 @@ def test_busy_policy():
     assert desired_replicas([1.7, -0.2], 1.0) == 1.0  # fractions are clamped to [0, 1]
     with pytest.raises(ValueError, match="target"):
         BusyPolicy(target=0)
+
+
+def test_rows_sharing_a_prefix_meet_the_same_drafter_within_a_bound_on_load():
+    from deployments.remote_parts import RemoteDrafter
+    from deployments.replica_pool import AFFINITY_TOKENS, pick_group, prefix_affinity, ranking
+    from fly_serve.contracts import Row
+
+    assert all(ranking(k, 3)[0] == group_of(k, 3) for k in KEYS[:100])
+    system = list(range(AFFINITY_TOKENS))
+    assert prefix_affinity(system + [1], "a") == prefix_affinity(system + [2, 3], "b")  # the prefix decides
+    assert prefix_affinity([5, 6], "a") == "a"  # a short prompt: its own key
+    # bounded loads: the preferred group while under ceil(1.5x the mean) + 1, then the next in its ranking
+    first, second = ranking(prefix_affinity(system, "x"), 4)[:2]
+    assert pick_group(prefix_affinity(system, "x"), 4, {}) == first
+    assert pick_group(prefix_affinity(system, "x"), 4, {first: 2}) == first  # bound ceil(1.5 * 3 / 4) + 1 = 3
+    assert pick_group(prefix_affinity(system, "x"), 4, {first: 4}) == second  # bound ceil(1.5 * 5 / 4) + 1 = 3
+
+    drafter = RemoteDrafter(handle=None, max_groups=4, live=lambda: 4)
+    rows = [Row(f"r{i}", system + [i]) for i in range(3)] + [
+        Row(f"s{i}", [7] * (AFFINITY_TOKENS + i)) for i in range(3)
+    ]
+    groups = drafter.assign(rows)
+    by_row = {i: g for g, idx in groups.items() for i in idx}
+    assert len({by_row[i] for i in range(3)}) == 1 and len({by_row[i] for i in range(3, 6)}) == 1
+    # a hot prefix spills over once its group holds more than its share
+    many = [Row(f"h{i}", system + [100 + i]) for i in range(12)]
+    hot = drafter.assign(many)
+    assert max(len(idx) for idx in hot.values()) < 12 and len(hot) > 1
+    assert drafter.assign(many) == hot  # pinned: the same groups next round
