@@ -50,6 +50,10 @@ class Drafts:
     # seconds the drafter computed, as a replica reports it (the round's call time minus this is
     # transport); None: drafted in the caller's process, so the call is the compute
     compute_s: float | None = None
+    # per row, the tokens its grammar allows at the verified positions 0..m-1 (m <= drafts + 1), a
+    # bitmask [m, ceil(V/32)] int32 (grammar.py); None: the row (or every row) is unconstrained.
+    # The engine sets them after cutting the drafts at the first token the grammar refuses.
+    masks: list[torch.Tensor | None] | None = None
 
     @classmethod
     def empty(cls, n_rows: int) -> "Drafts":
