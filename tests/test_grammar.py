@@ -11,7 +11,7 @@ import torch
 
 from fly_serve.build import build_engine
 from fly_serve.contracts import Drafts, Row
-from fly_serve.grammar import Grammars, grammar_of, unpack
+from fly_serve.grammar import Grammars, unpack
 from fly_serve.params import ParamError, Params
 from fly_serve.tiny import tiny_model, tiny_tokenizer
 
