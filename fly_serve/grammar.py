@@ -15,12 +15,15 @@ xgrammar pulls triton (docs/BENCHMARKS.md, "Structured output").
 """
 
 import json
+import logging
 
 import llguidance
 import llguidance.hf
 import torch
 
 from .params import ParamError
+
+log = logging.getLogger("fly_serve.grammar")
 
 # One line of JSON, separators as json.dumps writes them: no free whitespace, so a model (or a
 # random tiny one) cannot spend max_tokens on blanks, and every output parses as it stands.
@@ -157,6 +160,14 @@ class Grammars:
             self._tokenizer = llguidance.hf.from_tokenizer(self.hf_tokenizer, n_vocab=self.vocab_size, eos_token=eos)
         return self._tokenizer
 
+    def warm(self) -> None:
+        """Build the tokenizer now; a tokenizer llguidance cannot read (not a fast one) leaves
+        structured output refused per request (matcher) rather than the engine unbuilt."""
+        try:
+            _ = self.tokenizer
+        except Exception:
+            log.warning("structured output unavailable: llguidance cannot read this tokenizer", exc_info=True)
+
     def matcher(self, params) -> Matcher | None:
         """The request's matcher, None when unconstrained; ParamError names the field at fault."""
         asked = grammar_of(params.response_format, params.regex, params.grammar)
@@ -164,7 +175,11 @@ class Grammars:
             return None
         name, text = asked
         try:
-            return Matcher(self.tokenizer, text, self.eos_ids)
+            tokenizer = self.tokenizer
+        except Exception as e:
+            raise ParamError(name, f"structured output is not available with this tokenizer ({e})") from None
+        try:
+            return Matcher(tokenizer, text, self.eos_ids)
         except ParamError as e:
             raise ParamError(name, f"refused by the grammar library: {e.message}") from None
         except ValueError as e:  # llguidance raises on a grammar it cannot build for this tokenizer

@@ -136,6 +136,7 @@ def run_mode(engine, tok, cases, mode: str, constrained: bool, args) -> dict:
     return dict(
         mode=mode,
         constrained=constrained,
+        wall_s=round(wall, 2),
         requests=len(cases),
         invalid=invalid,
         truncated=truncated,
@@ -165,9 +166,10 @@ def main():
         engine = build_engine(max_batch=max(8, args.batch))
     tok = engine.tokenizer
     cases = requests_for(args.requests)
-    rows = [run_mode(engine, tok, cases, m, True, args) for m in args.modes]
-    for r in rows:
-        print(json.dumps(r), flush=True)
+    rows = []
+    for m in args.modes:
+        rows.append(run_mode(engine, tok, cases, m, True, args))
+        print(json.dumps(rows[-1]), flush=True)
     # Speed: fly and ar on the same prompts, with the schema and without it
     speed_cases = requests_for(args.speed_requests or args.requests)
     speed = {}
