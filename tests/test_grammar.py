@@ -3,6 +3,7 @@ the grammar's mask, so every output that parses and validates shows the mask at 
 mode, at T = 0 and T > 0, with k fixed and "auto", batched beside unconstrained rows."""
 
 import json
+import os
 import re
 
 import jsonschema
@@ -15,7 +16,8 @@ from fly_serve.grammar import Grammars, unpack
 from fly_serve.params import ParamError, Params
 from fly_serve.tiny import tiny_model, tiny_tokenizer
 
-TARGET, DRAFTER = tiny_model(seed=0), tiny_model(seed=1, num_hidden_layers=1)
+DEVICE = os.environ.get("FLY_TEST_DEVICE", "cpu")  # "cuda" on a GPU host: the masks then apply on the device
+TARGET, DRAFTER = tiny_model(seed=0).to(DEVICE), tiny_model(seed=1, num_hidden_layers=1).to(DEVICE)
 EOS = 258  # tiny_tokenizer's <|im_end|>
 PROMPTS = [[1, 2, 3, 4, 5], [40, 41, 42], [100, 7 + 1, 9, 10, 11, 12]]
 # Bounded schemas (enums, short strings, bounded integers and arrays): a random model reaches
@@ -189,3 +191,30 @@ def test_the_scorer_reads_the_masked_distribution():
     assert chr(verdict.y[0, 0]).isdigit() and chr(verdict.y[0, 1]).isdigit()
     assert verdict.support[0].tolist() == [True, False]  # x is outside the grammar: never loosely kept
     assert float(verdict.h[0, 0]) < 0.5  # the entropy of 10 digits out of 259 tokens (normalized)
+
+
+def test_sampling_stays_exact_when_a_sampled_draft_leaves_the_grammar():
+    """The grammar allows a or b (the target's masked p: 1/2 each); the drafter's q puts 1/2 on
+    a and 1/2 on c, which the grammar refuses. With the refused draft kept for its rejection
+    (the residual (p - q)+ is all on b), the emitted token is distributed as p; drawing from p
+    at a cut draft instead would give a 3/4 of the time."""
+    from fly_serve.sampling import speculative_row
+
+    eng = engine()
+    req = eng.add(PROMPTS[0], dict(mode="spd", regex="[ab]", temperature=1.0, max_tokens=4))
+    a, b, c = (ord(ch) for ch in "abc")
+    p = torch.zeros(2, 259)
+    p[:, a] = p[:, b] = 0.5  # the target's masked distribution at positions 0 and 1
+    q = torch.zeros(1, 259)
+    q[0, a] = q[0, c] = 0.5
+    g = torch.Generator().manual_seed(0)
+    counts = {a: 0, b: 0}
+    n = 1500
+    for _ in range(n):
+        d = a if torch.rand(1, generator=g) < 0.5 else c
+        drafts = Drafts([[d]], [q.clone()])
+        eng._constrain([req], drafts)
+        kept = drafts.tokens[0]
+        ok, y = speculative_row(p[: len(kept) + 1], torch.tensor(kept), len(kept), drafts.q[0], g)
+        counts[kept[0] if kept and ok[0] else int(y[0])] += 1
+    assert abs(counts[a] / n - 0.5) < 0.05, counts  # 4 standard deviations; 0.75 if biased
