@@ -21,13 +21,15 @@ def _int_or_word(value: str):
 
 
 def _base_type(annotation):
-    """int for `int | None`, str for `list[str]`, int-or-word for `int | str` (k: 15 or "auto"):
-    the type one flag value parses to."""
+    """int for `int | None`, str for `list[str]`, int-or-word for `int | str` (k: 15 or "auto"),
+    parsed JSON for `dict | None`: the type one flag value parses to."""
     args = [a for a in typing.get_args(annotation) if a is not type(None)]
     if typing.get_origin(annotation) is list:
         return args[0]
     if set(args) == {int, str}:
         return _int_or_word
+    if args == [dict]:  # response_format: JSON on the command line
+        return json.loads
     return args[0] if args else annotation
 
 

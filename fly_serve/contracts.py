@@ -63,6 +63,10 @@ class Drafts:
     # per row, prompt tokens this call took from the drafter's prefix cache instead of feeding
     # them (kv_cache.py); None: not reported
     prefix_hit_tokens: list[int] | None = None
+    # per row, the tokens its grammar allows at the verified positions 0..m-1 (m <= drafts + 1), a
+    # bitmask [m, ceil(V/32)] int32 (grammar.py); None: the row (or every row) is unconstrained.
+    # The engine sets them after cutting the drafts at the first token the grammar refuses.
+    masks: list[torch.Tensor | None] | None = None
 
     @classmethod
     def empty(cls, n_rows: int) -> "Drafts":

@@ -33,6 +33,7 @@ from .contracts import Drafter, Drafts, RoundResult, Row, Scorer
 from .detokenizer import IncrementalText, find_stop, held_back
 from .draft_ahead import Ahead, Stages, bets
 from .drafters import LookupDrafter, SourceDrafter
+from .grammar import Grammars, Matcher
 from .params import ParamError, Params
 from .request_stats import RequestStats
 from .round_cost import MODEL, NONE, PLD, RECYCLE, SUFFIX, CostProfile
@@ -67,6 +68,7 @@ class Request:
         self.text = ""  # the output so far, cut at a stop string
         self.streamed = 0  # characters of text already handed out by delta()
         self.detokenizer = IncrementalText(tokenizer)
+        self.matcher: Matcher | None = None  # its grammar's state after `tokens` (structured output)
 
     @property
     def generated(self) -> list[int]:
@@ -117,6 +119,7 @@ class Engine:
         if drafter is not None:  # each drafter says what it does with them (contracts.Drafter)
             drafter.share_sources({"suffix": self.suffix_index, "recycle": self.recycler})
         self.eos_ids = set(eos_ids)
+        self.grammars = Grammars(tokenizer, scorer.vocab_size, self.eos_ids)  # structured output
         self.max_batch, self.max_model_len = max_batch, max_model_len
         self.defaults = defaults or Params()
         # k "auto": the round's cost model (measured where it runs: cost_calibration.py) and each
@@ -171,7 +174,9 @@ class Engine:
             )
         if params.mode_spec.drafter and self.drafters[params.mode_spec.drafter] is None:
             raise ParamError("mode", f"{params.mode!r} needs a draft model and this engine has none")
-        return Request(request_id or f"req-{next(self._ids)}", prompt, params, self.tokenizer)
+        req = Request(request_id or f"req-{next(self._ids)}", prompt, params, self.tokenizer)
+        req.matcher = self.grammars.matcher(params)
+        return req
 
     def abort(self, request_id: str) -> None:
         for req in list(self.waiting) + self.running:
@@ -472,7 +477,31 @@ class Engine:
                 if a.forwards is not None:
                     drafts.row_forwards = drafts.row_forwards or [0] * len(rows)
                     drafts.row_forwards[b] = a.forwards
+        self._constrain(batch, drafts)
         return drafts, fallback
+
+    @staticmethod
+    def _constrain(batch: list[Request], drafts: Drafts) -> None:
+        """Structured output: cut each constrained row's drafts at the first token its grammar
+        refuses and give the scorer the grammar's masks along what is left. A deterministic
+        proposal (q one-hot) is cut before the refused token: the target's masked p gives it 0,
+        so verifying it would only reject it and draw from p, what the bonus position draws
+        anyway. A sampled proposal (q a distribution) keeps the refused token as its last draft:
+        its sure rejection draws from the residual (p - q)+, which is what keeps speculative
+        sampling exact; drawing from p there instead would not be."""
+        if not any(r.matcher for r in batch):
+            return
+        drafts.masks = [None] * len(batch)
+        for b, req in enumerate(batch):
+            if req.matcher is None:
+                continue
+            d, q = drafts.tokens[b], drafts.q[b]
+            legal, masks = req.matcher.plan(d)
+            keep = legal + 1 if legal < len(d) and q is not None else legal
+            drafts.tokens[b] = d[:keep]
+            if q is not None and keep < q.shape[0]:
+                drafts.q[b] = q.narrow_copy(0, 0, keep)
+            drafts.masks[b] = masks
 
     def _recycle(self, rows: list[Row], drafts: Drafts, verdict) -> None:
         """Feed the target's top-k at every position it verified, [last token, d_1..d_n] per row,
@@ -514,6 +543,10 @@ class Engine:
                 break
         req.tokens.extend(new)
         req.stats.emitted += len(new)
+        if req.matcher is not None:
+            req.matcher.accept(new)
+            if req.matcher.done and not req.finished:  # nothing but EOS can follow
+                req.finish_reason = "stop"
         searched = len(req.text)  # text already searched for stop strings
         req.text += req.detokenizer.add(new)
         if req.finished or len(req.generated) >= p.max_tokens:

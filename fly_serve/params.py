@@ -104,6 +104,15 @@ class Params:
     max_tokens: int = knob(256, "most tokens to generate", api="openai")
     stop: list[str] = knob([], "stop strings", api="openai")
     seed: int | None = knob(None, "seed of this request's random numbers", api="openai")
+    # Structured output (grammar.py): at most one of the three; every mode honours it.
+    response_format: dict | None = knob(
+        None,
+        'OpenAI\'s: {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": '
+        '{"name": ..., "schema": {...}}}: the output is JSON (of that schema)',
+        api="openai",
+    )
+    regex: str | None = knob(None, "the output matches this regular expression (whole)")
+    grammar: str | None = knob(None, "the output is a sentence of this Lark grammar (llguidance's dialect)")
 
     @classmethod
     def from_dict(cls, d: dict) -> "Params":
@@ -193,6 +202,11 @@ class Params:
             bad("seed", f"must be an integer of magnitude <= {MAX_SEED}")
         if not isinstance(self.mla, bool):
             bad("mla", "must be true or false")
+        if self.response_format is not None and not isinstance(self.response_format, dict):
+            bad("response_format", "must be an object")
+        for name in ("regex", "grammar"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                bad(name, "must be a string")
         levels = self.mla_levels
         if not levels or any(s not in MLA_SOURCES for s in levels) or len(set(levels)) != len(levels):
             bad("mla_sources", f"must be distinct names from {', '.join(MLA_SOURCES)}, comma-separated")

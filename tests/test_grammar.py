@@ -1,0 +1,226 @@
+"""Structured output on tiny random models (fp32): random weights write valid JSON only through
+the grammar's mask, so every output that parses and validates shows the mask at work, in every
+mode, at T = 0 and T > 0, with k fixed and "auto", batched beside unconstrained rows."""
+
+import functools
+import json
+import os
+import re
+
+import jsonschema
+import pytest
+import torch
+
+from fly_serve.build import build_engine
+from fly_serve.contracts import Drafts, Row
+from fly_serve.grammar import Grammars, unpack
+from fly_serve.params import ParamError, Params
+from fly_serve.tiny import tiny_model, tiny_tokenizer
+
+DEVICE = os.environ.get("FLY_TEST_DEVICE", "cpu")  # "cuda" on a GPU host: the masks then apply on the device
+TARGET, DRAFTER = tiny_model(seed=0).to(DEVICE), tiny_model(seed=1, num_hidden_layers=1).to(DEVICE)
+EOS = 258  # tiny_tokenizer's <|im_end|>
+PROMPTS = [[1, 2, 3, 4, 5], [40, 41, 42], [100, 7 + 1, 9, 10, 11, 12]]
+# Bounded schemas (enums, short strings, bounded integers and arrays): a random model reaches
+# the end of each within max_tokens, so every output is complete.
+SCHEMAS = [
+    {
+        "type": "object",
+        "properties": {
+            "color": {"enum": ["red", "green", "blue"]},
+            "n": {"type": "integer", "minimum": 0, "maximum": 99},
+            "ok": {"type": "boolean"},
+        },
+        "required": ["color", "n", "ok"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {
+            "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "minItems": 1, "maxItems": 3},
+            "code": {"type": "string", "pattern": "^[A-Z]{2}-[0-9]{2}$"},
+            "who": {"anyOf": [{"type": "null"}, {"$ref": "#/$defs/person"}]},
+        },
+        "required": ["tags", "code", "who"],
+        "additionalProperties": False,
+        "$defs": {
+            "person": {
+                "type": "object",
+                "properties": {"name": {"type": "string", "maxLength": 4}},
+                "required": ["name"],
+                "additionalProperties": False,
+            }
+        },
+    },
+]
+
+
+def rf(schema) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "out", "schema": schema}}
+
+
+def engine(**kw):
+    return build_engine(TARGET, DRAFTER, tokenizer=tiny_tokenizer(), max_model_len=512, max_batch=64, **kw)
+
+
+def valid(text: str, schema: dict) -> bool:
+    try:
+        jsonschema.validate(json.loads(text), schema)
+    except (ValueError, jsonschema.ValidationError):
+        return False
+    return True
+
+
+MODES = ["ar", "spd", "fly", "pld", "suffix", "recycle"]
+
+
+def test_every_mode_writes_valid_json_batched_with_unconstrained_rows():
+    eng = engine()
+    # the suffix index and the recycler learn from earlier requests: give them some
+    eng.generate([PROMPTS[0]], dict(mode="ar", max_tokens=20, response_format=rf(SCHEMAS[0])))
+    cases, params = [], []
+    for i, mode in enumerate(MODES):
+        for temperature in (0.0, 0.9):
+            for k in (3, "auto"):
+                schema = SCHEMAS[(i + len(cases)) % 2]
+                p = dict(mode=mode, k=k, k_max=4, temperature=temperature, seed=len(cases), max_tokens=120)
+                if mode == "fly":
+                    p |= dict(theta=0.0, window=1)  # defer every mismatch the grammar allows
+                cases.append(schema)
+                params.append(p | dict(response_format=rf(schema)))
+    free = [dict(mode=m, k=3, max_tokens=12) for m in ("fly", "ar")]  # unconstrained rows alongside
+    prompts = [PROMPTS[i % 3] for i in range(len(params) + len(free))]
+    reqs = eng.generate(prompts, params + free)
+    for req, schema, p in zip(reqs, cases, params):
+        assert req.finish_reason == "stop", (p, req.text)
+        assert valid(req.text, schema), (p, req.text)
+    assert all(r.finish_reason == "length" or r.finish_reason == "stop" for r in reqs[len(params) :])
+    assert not all(valid(r.text, SCHEMAS[0]) for r in reqs[len(params) :])  # the mask made the difference
+
+
+LOSSLESS_BASE = dict(max_tokens=120, response_format=rf(SCHEMAS[1]), k=4)
+
+
+@functools.cache
+def ar_under_a_schema() -> list[list[int]]:
+    return [r.generated for r in engine().generate(PROMPTS[:2], LOSSLESS_BASE | dict(mode="ar"))]
+
+
+@pytest.mark.parametrize("params", [dict(mode="spd"), dict(mode="fly", theta=1.0), dict(mode="pld"), dict(k="auto")])
+def test_lossless_modes_equal_ar_under_a_schema(params):
+    got = engine().generate(PROMPTS[:2], LOSSLESS_BASE | dict(mode="spd") | params)
+    assert [r.generated for r in got] == ar_under_a_schema()
+    assert all(valid(r.text, SCHEMAS[1]) for r in got)
+
+
+def test_regex_and_lark_grammar_of_the_fly_object():
+    eng = engine()
+    got = eng.generate(
+        PROMPTS[:2],
+        [
+            dict(mode="fly", k=3, regex=r"[a-z]{3}-[0-9]{2,4}", max_tokens=40),
+            dict(mode="spd", k=3, temperature=0.7, seed=1, grammar='start: "yes" | "no" | "maybe"', max_tokens=40),
+        ],
+    )
+    assert re.fullmatch(r"[a-z]{3}-[0-9]{2,4}", got[0].text), got[0].text
+    assert got[1].text in ("yes", "no", "maybe") and got[1].finish_reason == "stop"
+
+
+def test_json_object_is_an_object():
+    eng = engine()
+    req = eng.generate([PROMPTS[0]], dict(mode="ar", max_tokens=200, response_format={"type": "json_object"}))[0]
+    # a random model writes objects of any depth: only a finished one is whole
+    if req.finish_reason == "stop":
+        assert isinstance(json.loads(req.text), dict)
+    assert req.text.startswith("{")
+    text = eng.generate([PROMPTS[0]], dict(mode="ar", max_tokens=5, response_format={"type": "text"}))[0]
+    assert text.finish_reason == "length"
+
+
+@pytest.mark.parametrize(
+    "fields, named",
+    [
+        (dict(response_format={"type": "json_schema", "json_schema": {"schema": {"type": "foo"}}}), "response_format"),
+        (dict(response_format=rf({"type": "string", "pattern": "(?<=a)b"})), "response_format"),
+        (dict(response_format=rf({"$ref": "#/nowhere"})), "response_format"),
+        (dict(response_format={"type": "xml"}), "response_format"),
+        (dict(response_format={"type": "json_schema"}), "response_format"),
+        (dict(response_format="json"), "response_format"),
+        (dict(regex="(a"), "regex"),
+        (dict(grammar="start: nope"), "grammar"),
+        (dict(regex="a", response_format={"type": "json_object"}), "regex"),
+    ],
+)
+def test_a_refused_grammar_names_its_field(fields, named):
+    with pytest.raises(ParamError) as e:
+        engine().add(PROMPTS[0], dict(max_tokens=5) | fields)
+    assert e.value.field == named
+
+
+def test_plan_cuts_at_the_first_refused_token_and_rolls_back():
+    grammars = Grammars(tiny_tokenizer(), 259, {EOS})
+    m = grammars.matcher(Params(regex="ab+c"))
+    a, b, c, x = (ord(ch) for ch in "abcx")
+    legal, masks = m.plan([a, b, x, b])
+    assert legal == 2 and masks.shape == (3, 9)  # masks at positions 0, 1 and the refused one
+    allowed = unpack(masks, 259)
+    assert allowed[0].nonzero().flatten().tolist() == [a]
+    assert allowed[2, b] and allowed[2, c] and not allowed[2, x]
+    legal, masks = m.plan([a, b, c, EOS])  # after "abc" only EOS; an EOS draft is the last looked at
+    assert legal == 4 and masks.shape == (4, 9) and unpack(masks, 259)[3].nonzero().flatten().tolist() == [EOS]
+    assert m.plan([b])[0] == 0  # both plans rolled back: still at the start
+    m.accept([a, b, c])
+    assert m.done
+
+
+def test_a_sampled_proposal_keeps_its_refused_token_for_the_residual():
+    eng = engine()
+    req = eng.add(PROMPTS[0], dict(mode="spd", regex="ab+", max_tokens=10, temperature=1.0, seed=0))
+    a, b, x = (ord(ch) for ch in "abx")
+    q = torch.full((3, 259), 1 / 259)
+    drafts = Drafts([[a, x, b]], [q])
+    eng._constrain([req], drafts)
+    assert drafts.tokens == [[a, x]] and drafts.q[0].shape == (2, 259)  # x stays, to be rejected
+    drafts = Drafts([[a, x, b]], [None])
+    eng._constrain([req], drafts)
+    assert drafts.tokens == [[a]]  # a one-hot proposal is cut before it
+
+
+def test_the_scorer_reads_the_masked_distribution():
+    eng = engine()
+    req = eng.add(PROMPTS[0], dict(mode="fly", regex="[0-9]+", max_tokens=10))
+    row = Row(req.id, list(req.tokens), k=2, entropy="full")
+    one, x = ord("1"), ord("x")
+    drafts = Drafts([[one, x]], [None])
+    drafts.masks = [req.matcher.plan([one, one])[1]]  # allowed: digits (EOS after the first)
+    verdict = eng.scorer.verify([row], drafts)
+    assert chr(verdict.y[0, 0]).isdigit() and chr(verdict.y[0, 1]).isdigit()
+    assert verdict.support[0].tolist() == [True, False]  # x is outside the grammar: never loosely kept
+    assert float(verdict.h[0, 0]) < 0.5  # the entropy of 10 digits out of 259 tokens (normalized)
+
+
+def test_sampling_stays_exact_when_a_sampled_draft_leaves_the_grammar():
+    """The grammar allows a or b (the target's masked p: 1/2 each); the drafter's q puts 1/2 on
+    a and 1/2 on c, which the grammar refuses. With the refused draft kept for its rejection
+    (the residual (p - q)+ is all on b), the emitted token is distributed as p; drawing from p
+    at a cut draft instead would give a 3/4 of the time."""
+    from fly_serve.sampling import speculative_row
+
+    eng = engine()
+    req = eng.add(PROMPTS[0], dict(mode="spd", regex="[ab]", temperature=1.0, max_tokens=4))
+    a, b, c = (ord(ch) for ch in "abc")
+    p = torch.zeros(2, 259)
+    p[:, a] = p[:, b] = 0.5  # the target's masked distribution at positions 0 and 1
+    q = torch.zeros(1, 259)
+    q[0, a] = q[0, c] = 0.5
+    g = torch.Generator().manual_seed(0)
+    counts = {a: 0, b: 0}
+    n = 1500
+    for _ in range(n):
+        d = a if torch.rand(1, generator=g) < 0.5 else c
+        drafts = Drafts([[d]], [q.clone()])
+        eng._constrain([req], drafts)
+        kept = drafts.tokens[0]
+        ok, y = speculative_row(p[: len(kept) + 1], torch.tensor(kept), len(kept), drafts.q[0], g)
+        counts[kept[0] if kept and ok[0] else int(y[0])] += 1
+    assert abs(counts[a] / n - 0.5) < 0.05, counts  # 4 standard deviations; 0.75 if biased
