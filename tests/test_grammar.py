@@ -224,3 +224,31 @@ def test_sampling_stays_exact_when_a_sampled_draft_leaves_the_grammar():
         ok, y = speculative_row(p[: len(kept) + 1], torch.tensor(kept), len(kept), drafts.q[0], g)
         counts[kept[0] if kept and ok[0] else int(y[0])] += 1
     assert abs(counts[a] / n - 0.5) < 0.05, counts  # 4 standard deviations; 0.75 if biased
+
+
+def test_a_schema_with_draft_ahead_and_the_prefix_cache_gives_the_plain_engines_tokens():
+    """The three features of this round together (fp32): constrained and free rows, greedy and
+    seeded, with draft-ahead and the prefix cache on, give the plain engine's tokens, and every
+    constrained output validates."""
+    shared = list(range(30, 70))  # requests sharing a prefix of two full blocks: the cache is used
+    prompts = [shared + [1], shared + [2], PROMPTS[1], shared + [3]]
+    params = [
+        dict(mode="spd", k=4, max_tokens=80, response_format=rf(SCHEMAS[1])),
+        dict(mode="fly", k=4, theta=0.0, window=1, max_tokens=80, response_format=rf(SCHEMAS[0])),
+        dict(mode="spd", k=3, max_tokens=16),
+        dict(mode="spd", k=4, temperature=0.9, seed=5, max_tokens=80, response_format=rf(SCHEMAS[1])),
+    ]
+
+    def outputs(**features):
+        eng = engine(**features)
+        eng.generate([shared + [4]], dict(mode="ar", max_tokens=4))  # fills the prefix cache when on
+        return eng.generate(prompts, params)
+
+    plain = outputs()
+    both = outputs(draft_ahead=True, prefix_cache=True)
+    assert [r.generated for r in both] == [r.generated for r in plain]
+    for req, p in zip(both, params):
+        if "response_format" in p:
+            assert valid(req.text, p["response_format"]["json_schema"]["schema"]), req.text
+    assert sum(r.stats.prefix_hit_tokens for r in both) > 0
+    assert sum(r.stats.ahead_hits + r.stats.ahead_misses for r in both) > 0
