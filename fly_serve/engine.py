@@ -143,6 +143,13 @@ class Engine:
             self.stages.close()
         on = on and self.drafters["model"] is not None
         self.stages = Stages(draft_threads, verify_threads) if on else None
+        if on:  # CUDA graph capture is process-wide: a capture on one stage's thread would break
+            # (or be broken by) the other stage's kernels, so in-process parts replay none
+            for part in (self.scorer, self.drafters["model"]):
+                runner = getattr(part, "runner", None)
+                if getattr(runner, "graphs", None) is not None:
+                    log.info("draft-ahead: CUDA graphs off for %s (two stages share the process)", type(part).__name__)
+                    runner.graphs = None
         self.ahead.clear()
         self.policy.overlap = on
 
@@ -332,6 +339,9 @@ class Engine:
         held = []
         for req, row in zip(batch, rows):
             a = self.ahead.get(req.id)
+            if a is not None and not a.won(req.tokens):  # a round failed after its commit began
+                log.warning("draft-ahead for %s no longer continues its tokens: drafting again", req.id)
+                a = None
             if a is not None and not req.params.auto_k and a.k != row.k:
                 log.warning("draft-ahead for %s made for k=%d, the round has k=%d: drafting again", req.id, a.k, row.k)
                 a = None
@@ -361,7 +371,10 @@ class Engine:
         for b, (req, row) in enumerate(zip(batch, rows)):
             d = drafts.tokens[b]
             k = self._next_k(req, row.k, len(d) + 1)
-            if k > 0 and bets(row, req.params.mode_spec.drafter) and not self.eos_ids.intersection(d):
+            # A constrained row does not bet: the drafter does not see the grammar, so wherever the
+            # grammar forces a token its own next token (the guess) is the refused one.
+            free = req.matcher is None
+            if k > 0 and free and bets(row, req.params.mode_spec.drafter) and not self.eos_ids.intersection(d):
                 idx.append(b)
                 bet_rows.append(replace(row, tokens=row.tokens + d, k=k, peek=True, guessed=len(d)))
         if not idx:
@@ -541,12 +554,12 @@ class Engine:
             if t in self.eos_ids:
                 new, req.finish_reason = new[:i], "stop"
                 break
-        req.tokens.extend(new)
-        req.stats.emitted += len(new)
-        if req.matcher is not None:
+        if req.matcher is not None:  # first: a token it refuses raises before the row changed
             req.matcher.accept(new)
             if req.matcher.done and not req.finished:  # nothing but EOS can follow
                 req.finish_reason = "stop"
+        req.tokens.extend(new)
+        req.stats.emitted += len(new)
         searched = len(req.text)  # text already searched for stop strings
         req.text += req.detokenizer.add(new)
         if req.finished or len(req.generated) >= p.max_tokens:

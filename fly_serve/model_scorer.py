@@ -44,6 +44,9 @@ class ModelScorer:
         seqs = [r.tokens + d for r, d in zip(rows, drafts.tokens)]
         logits, _ = self.runner.feed(keys, seqs, tail=[1 + len(d) for d in drafts.tokens])
         logits = logits[..., : self.vocab_size]
+        # Token Recycling learns what the target predicts after a token in general: its top-k is
+        # taken before the grammar's mask (under it, the -inf ids past the allowed few would be junk)
+        top = logits.topk(min(self.topk, logits.shape[-1]), dim=-1).indices.cpu() if self.topk > 0 else None
         # Structured output: every read below (argmax, sampling, entropy, support) sees the
         # distribution the grammar allows
         apply_masks(logits, drafts.masks)
@@ -70,7 +73,6 @@ class ModelScorer:
                     ratio[b, :nb] = plausibility_from_probs(p[:-1], d).cpu()
                 if r.entropy:
                     h[b, :nb] = entropy(p[:-1], r.entropy).cpu()
-        top = logits.topk(min(self.topk, logits.shape[-1]), dim=-1).indices.cpu() if self.topk > 0 else None
         hits = self.runner.cache.take_hits(keys)  # prefill the prefix cache saved, per row
         return Verdict(ok, y, h, support, top, plausibility=ratio, prefix_hit_tokens=hits)
 

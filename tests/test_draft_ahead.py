@@ -248,3 +248,17 @@ def test_a_failed_verify_is_retried_with_the_same_bets(params):
     reqs = eng.generate(PROMPTS, dict(max_tokens=24, **params))
     assert [r.generated for r in reqs] == seq and eng.scorer.failed >= 2
     assert sum(hits(reqs)) > 0
+
+
+def test_a_held_bet_that_no_longer_continues_the_tokens_is_dropped():
+    """A round that fails after some rows committed is retried; a row whose held drafts were
+    made for tokens it no longer ends with drafts again rather than reuse them (review finding)."""
+    eng = engine(True, drafter=VARIED)  # the target as its own drafter: bets win
+    req = eng.add(PROMPTS[0], dict(mode="spd", k=4, max_tokens=60))
+    while req.id not in eng.ahead and not req.finished:
+        eng.step()
+    assert req.id in eng.ahead
+    rows = [eng._row(req)]
+    assert eng._held([req], rows)[0] is eng.ahead[req.id]  # held as made
+    req.tokens.append(req.tokens[-1])  # the row moved on without a settle (a partial commit)
+    assert eng._held([req], [eng._row(req)]) == [None]

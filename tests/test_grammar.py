@@ -6,6 +6,7 @@ import functools
 import json
 import os
 import re
+from dataclasses import replace
 
 import jsonschema
 import pytest
@@ -197,6 +198,9 @@ def test_the_scorer_reads_the_masked_distribution():
     assert chr(verdict.y[0, 0]).isdigit() and chr(verdict.y[0, 1]).isdigit()
     assert verdict.support[0].tolist() == [True, False]  # x is outside the grammar: never loosely kept
     assert float(verdict.h[0, 0]) < 0.5  # the entropy of 10 digits out of 259 tokens (normalized)
+    # Token Recycling's top-k is the target's own, unmasked (under the mask most ids are -inf junk)
+    free = eng.scorer.verify([replace(row, key="free")], Drafts([[one, x]], [None]))
+    assert torch.equal(verdict.topk, free.topk)
 
 
 def test_sampling_stays_exact_when_a_sampled_draft_leaves_the_grammar():
@@ -251,4 +255,6 @@ def test_a_schema_with_draft_ahead_and_the_prefix_cache_gives_the_plain_engines_
         if "response_format" in p:
             assert valid(req.text, p["response_format"]["json_schema"]["schema"]), req.text
     assert sum(r.stats.prefix_hit_tokens for r in both) > 0
-    assert sum(r.stats.ahead_hits + r.stats.ahead_misses for r in both) > 0
+    # free rows bet; constrained rows do not (the drafter does not see the grammar: engine._draft_ahead)
+    bets = [r.stats.ahead_hits + r.stats.ahead_misses for r in both]
+    assert bets[2] > 0 and [b for b, p in zip(bets, params) if "response_format" in p] == [0, 0, 0]
