@@ -176,7 +176,7 @@ class KVCache:
         self.free: list[int] = []
         # Per block: the sequences holding it; and the prefix registry both ways. A registered
         # block held by none is `evictable` (least recently released first), not free.
-        self.ref = [0] * (self.n_blocks + 1)
+        self.ref = [0]  # the scratch block's; grows with the pool (_grow), never to an unallocated budget
         self.registry: dict[bytes, int] = {}
         self.hash_of: dict[int, bytes] = {}
         self.evictable: OrderedDict[int, None] = OrderedDict()
@@ -509,4 +509,5 @@ class KVCache:
                 pool[i][: len(old)] = old
         for b in range(self.allocated + 1, new + 1):  # above every block in the heap: no sift
             heapq.heappush(self.free, b)
+        self.ref += [0] * (new - self.allocated)
         self.allocated = new
