@@ -4,7 +4,7 @@ row, then the check next to the logits, so that only small [B, K] tensors leave 
 import torch
 
 from .contracts import Drafts, Row, Verdict
-from .grammar import apply_masks, unpack
+from .grammar import apply_masks
 from .runner import Runner
 from .sampling import Generators, probs, speculative_row
 from .verify import entropy, greedy_check, padded, plausibility_from_logits, plausibility_from_probs
@@ -52,7 +52,7 @@ class ModelScorer:
         apply_masks(logits, drafts.masks)
         drafted, n = padded(drafts.tokens)
         ok, y = greedy_check(logits, drafted, n)
-        support = self._grammar_support(drafted, n, drafts.masks)
+        support = self._grammar_support(logits, drafted, drafts.masks)
         # The plausibility guard's ratio p(d) / max p, only in a round where some row has a guard
         # (the engine applies each row's rho): two gathers on the greedy logits and a copy to the
         # host, overwritten below for sampling rows.
@@ -76,15 +76,14 @@ class ModelScorer:
         hits = self.runner.cache.take_hits(keys)  # prefill the prefix cache saved, per row
         return Verdict(ok, y, h, support, top, plausibility=ratio, prefix_hit_tokens=hits)
 
-    def _grammar_support(self, drafted: torch.Tensor, n: torch.Tensor, masks) -> torch.Tensor:
-        """[B, K]: False where a row's grammar refuses its draft (never loosely accepted)."""
-        support = torch.ones(drafted.shape, dtype=torch.bool)
-        for b, mask in enumerate(masks or []):
-            m = 0 if mask is None else min(int(n[b]), mask.shape[0])
-            if m:
-                allowed = unpack(mask[:m], self.vocab_size)  # [m, V]
-                support[b, :m] = allowed.gather(1, drafted[b, :m, None]).squeeze(1)
-        return support
+    @staticmethod
+    def _grammar_support(logits: torch.Tensor, drafted: torch.Tensor, masks) -> torch.Tensor:
+        """[B, K]: False where a row's grammar refuses its draft (never loosely accepted), read off
+        the masked logits (apply_masks already put -inf there); all True without a grammar."""
+        if not any(m is not None for m in masks or []):
+            return torch.ones(drafted.shape, dtype=torch.bool)
+        at = logits[:, : drafted.shape[1]].gather(-1, drafted.to(logits.device)[..., None]).squeeze(-1)
+        return (at > float("-inf")).cpu()
 
     def release(self, keys: list[str]) -> None:
         self.runner.release(keys)
