@@ -52,6 +52,16 @@ def _at(per_row: list[int] | None, b: int) -> int:
     return 0 if per_row is None else per_row[b]
 
 
+def _spread(per_row: list[int] | None, n_rows: int, idx: list[int], values: list[int] | None) -> list[int] | None:
+    """A per-row report (None: nobody reported) with values[i] at row idx[i]; values None: unchanged."""
+    if values is None or not idx:
+        return per_row
+    per_row = per_row or [0] * n_rows
+    for i, b in enumerate(idx):
+        per_row[b] = values[i]
+    return per_row
+
+
 def kv_need(n_prompt: int, params: Params) -> int:
     """KV tokens a request may hold at its longest: its whole output plus one round's drafts."""
     return n_prompt + params.max_tokens + params.k_cap + 1
@@ -476,20 +486,13 @@ class Engine:
                 drafts.tokens[b], drafts.q[b] = got.tokens[i], got.q[i]
             if kind == "model" and not fallback:  # the forwards k "auto" costs and learns MLA from
                 drafts.forwards, drafts.compute_s = got.forwards, got.compute_s
-                if got.prefix_hit_tokens is not None:
-                    drafts.prefix_hit_tokens = drafts.prefix_hit_tokens or [0] * len(rows)
-                    for i, b in enumerate(idx):
-                        drafts.prefix_hit_tokens[b] = got.prefix_hit_tokens[i]
-                if got.row_forwards is not None:
-                    drafts.row_forwards = drafts.row_forwards or [0] * len(rows)
-                    for i, b in enumerate(idx):
-                        drafts.row_forwards[b] = got.row_forwards[i]
-        for b, a in enumerate(held):  # made while the last round was verified
-            if a is not None:
-                drafts.tokens[b], drafts.q[b] = a.drafts, a.q
-                if a.forwards is not None:
-                    drafts.row_forwards = drafts.row_forwards or [0] * len(rows)
-                    drafts.row_forwards[b] = a.forwards
+                drafts.prefix_hit_tokens = _spread(drafts.prefix_hit_tokens, len(rows), idx, got.prefix_hit_tokens)
+                drafts.row_forwards = _spread(drafts.row_forwards, len(rows), idx, got.row_forwards)
+        ahead = [b for b, a in enumerate(held) if a is not None]  # made while the last round was verified
+        for b in ahead:
+            drafts.tokens[b], drafts.q[b] = held[b].drafts, held[b].q
+        reported = [b for b in ahead if held[b].forwards is not None]
+        drafts.row_forwards = _spread(drafts.row_forwards, len(rows), reported, [held[b].forwards for b in reported])
         self._constrain(batch, drafts)
         return drafts, fallback
 
