@@ -38,6 +38,7 @@ def bind_target(a: AppArgs):
         a.engine_config(),
         tp_size=a.tp_size,
         threads=a.target_threads,
+        nice=a.serving_nice,
         worker_options=a.tp_worker_options,
         rank_call_timeout_s=a.rank_call_timeout_s,
         ping_timeout_s=a.rank_ping_timeout_s,
@@ -50,4 +51,4 @@ def bind_drafter(a: AppArgs):
     dep = DrafterDeployment
     if a.drafter_autoscaling:
         dep = dep.options(autoscaling_config=a.drafter_autoscaling)
-    return dep.bind(a.engine_config(), threads=a.drafter_threads)
+    return dep.bind(a.engine_config(), threads=a.drafter_threads, nice=a.serving_nice)

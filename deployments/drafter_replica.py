@@ -32,7 +32,7 @@ from fly_serve.row_history import RowHistory
 
 from .prometheus import inc
 from .replica_pool import BUSY, BusyPolicy, PinnedRouter
-from .threads import threads_from_ray
+from .threads import serve_at_priority, threads_from_ray
 
 PROBE_TIMEOUT_S = 20.0  # the lock free (no call stuck) and one token through the model
 # Serve's controller: a check every period; three failed checks in a row replace the replica.
@@ -58,7 +58,15 @@ HEALTH_CHECK_TIMEOUT_S = 30.0
     graceful_shutdown_timeout_s=30.0,  # a caller's drafting call in progress finishes first
 )
 class DrafterDeployment:
-    def __init__(self, config: EngineConfig, *, threads: int | None = None, probe_timeout_s: float = PROBE_TIMEOUT_S):
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        threads: int | None = None,
+        nice: int | None = None,
+        probe_timeout_s: float = PROBE_TIMEOUT_S,
+    ):
+        serve_at_priority(nice)  # before the model loads: every thread started later inherits it
         set_threads(threads or threads_from_ray())
         self.probe_timeout_s = probe_timeout_s
         # the ingress checks that the drafter's tokenizer is the target's (build.assemble_engine)

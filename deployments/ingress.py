@@ -52,7 +52,7 @@ from .remote_parts import RemoteDrafter, RemoteScorer
 from .replica_pool import LiveReplicas, group_tag, unit_rank
 from .request_ids import Ids
 from .sse import events
-from .threads import threads_from_ray
+from .threads import serve_at_priority, threads_from_ray
 from .tokenization import PromptEncoder
 
 api = FastAPI(title="fly-serve")
@@ -98,6 +98,7 @@ async def _validation_error(request: Request, e: RequestValidationError):
 @serve.ingress(api)
 class Ingress:
     def __init__(self, target_handle, drafter_handle=None, *, args: AppArgs):
+        serve_at_priority(args.serving_nice)  # first: the engine loop and drafter threads inherit it
         config = args.engine_config()
         self.model_name, self.call_timeout_s, self.max_body_bytes = (
             args.model_name,

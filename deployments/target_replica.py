@@ -41,7 +41,7 @@ from fly_serve.row_history import RowHistory
 
 from .app_args import DEFAULT_RANK_CALL_TIMEOUT_S, DEFAULT_RANK_PING_TIMEOUT_S, DEFAULT_TP_STARTUP_TIMEOUT_S
 from .replica_pool import PinnedRouter
-from .threads import threads_from_ray
+from .threads import serve_at_priority, threads_from_ray
 
 log = logging.getLogger("ray.serve")
 
@@ -119,7 +119,10 @@ class LocalTarget:
 class TPWorker:
     """One rank of a target replica's tensor-parallel group."""
 
-    def __init__(self, config: EngineConfig, rank: int, world: int, addr: str, port: int, threads, timeout_s: float):
+    def __init__(
+        self, config: EngineConfig, rank: int, world: int, addr: str, port: int, threads, timeout_s: float, nice=None
+    ):
+        serve_at_priority(nice)
         set_threads(threads)
         device = device_for(ray.get_gpu_ids())  # the GPU Ray assigned this rank, else the CPU
         group = tp.init_group(rank, world, addr, port, timeout_s=timeout_s, device=device)
@@ -168,10 +171,11 @@ class RayTPTarget:
         rank_call_timeout_s: float,
         ping_timeout_s: float,
         startup_timeout_s: float,
+        nice: int | None = None,
     ):
         self.call_timeout_s, self.ping_timeout_s = rank_call_timeout_s, ping_timeout_s
         self.broken: str | None = None  # why the group is unusable
-        self.workers = self._start(config, tp_size, threads, worker_options, startup_timeout_s)
+        self.workers = self._start(config, tp_size, threads, worker_options, startup_timeout_s, nice)
         try:  # every rank up (a no-op call queues behind its constructor)
             ray.get([w.release.remote([]) for w in self.workers], timeout=startup_timeout_s)
         except Exception as e:
@@ -179,7 +183,7 @@ class RayTPTarget:
             raise TPGroupBroken(f"TP group of {tp_size} did not start within {startup_timeout_s} s: {e}") from e
 
     @staticmethod
-    def _start(config, tp_size, threads, worker_options, startup_timeout_s) -> list:
+    def _start(config, tp_size, threads, worker_options, startup_timeout_s, nice) -> list:
         """tp_size actors, rank r in bundle r of this replica's placement group, on a fresh port."""
         pg = get_current_placement_group()
         addr = ray.util.get_node_ip_address()
@@ -188,7 +192,7 @@ class RayTPTarget:
         for rank in range(tp_size):
             strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank) if pg else None
             actor = TPWorker.options(scheduling_strategy=strategy, **worker_options)
-            workers.append(actor.remote(config, rank, tp_size, addr, port, threads, startup_timeout_s))
+            workers.append(actor.remote(config, rank, tp_size, addr, port, threads, startup_timeout_s, nice))
         return workers
 
     def verify(self, rows: list[Row], drafts: Drafts) -> Verdict:
@@ -278,7 +282,9 @@ class TargetDeployment:
         rank_call_timeout_s: float = DEFAULT_RANK_CALL_TIMEOUT_S,
         ping_timeout_s: float = DEFAULT_RANK_PING_TIMEOUT_S,
         startup_timeout_s: float = DEFAULT_TP_STARTUP_TIMEOUT_S,
+        nice: int | None = None,
     ):
+        serve_at_priority(nice)  # before the model loads: every thread started later inherits it
         self.call_timeout_s = rank_call_timeout_s
         self.lock = threading.Lock()  # one round at a time: the KV cache is not thread-safe
         self.round_started: float | None = None  # monotonic start of the call holding the lock
@@ -288,7 +294,7 @@ class TargetDeployment:
         else:
             options = worker_options or {"num_cpus": 0.1}
             self.target = RayTPTarget(
-                config, tp_size, threads, options, rank_call_timeout_s, ping_timeout_s, startup_timeout_s
+                config, tp_size, threads, options, rank_call_timeout_s, ping_timeout_s, startup_timeout_s, nice
             )
 
     def __del__(self):
