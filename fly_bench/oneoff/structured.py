@@ -112,33 +112,37 @@ def is_valid(text: str, schema: dict) -> bool:
 
 def run_mode(engine, tok, cases, mode: str, constrained: bool, args) -> dict:
     """Every case through one mode, `batch` requests at a time; the figures summed."""
-    base = dict(mode=mode, max_tokens=args.max_tokens, temperature=args.temperature, seed=0)
+    base = dict(mode=mode, max_tokens=args.max_tokens, temperature=args.temperature)
     if mode != "ar":
         base["k"] = args.k
     tokens = wall = invalid = truncated = drafted = accepted = 0
+    texts = set()  # distinct outputs: at T = 0 the requests of one (schema, topic) repeat
     for start in range(0, len(cases), args.batch):
         chunk = cases[start : start + args.batch]
         prompts = [chat_prompt(tok, prompt_text(s, t)) for s, t in chunk]
-        params = [
+        params = [  # a seed per request: at T > 0 the requests of one (schema, topic) differ
             base
+            | {"seed": start + i}
             | (
                 {"response_format": {"type": "json_schema", "json_schema": {"schema": SCHEMAS[s]}}}
                 if constrained
                 else {}
             )
-            for s, _ in chunk
+            for i, (s, _) in enumerate(chunk)
         ]
         for (s, _), t in zip(chunk, timed(engine, prompts, params)):
             tokens, wall = tokens + t.tokens, wall + t.wall_s
             drafted, accepted = drafted + t.drafted, accepted + t.accepted
             truncated += t.finish_reason == "length"
             invalid += not is_valid(t.text, SCHEMAS[s])
+            texts.add(t.text)
     return dict(
         mode=mode,
         constrained=constrained,
         wall_s=round(wall, 2),
         requests=len(cases),
         invalid=invalid,
+        distinct=len(texts),
         truncated=truncated,
         tokens=tokens,
         tok_s=round(tokens / wall, 2) if wall else 0.0,
