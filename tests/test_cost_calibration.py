@@ -65,9 +65,14 @@ def test_measure_profile_times_both_parts_and_releases_its_rows(tiny_engine):
         tiny_engine.scorer, tiny_engine.drafters["model"], k_max=3, max_batch=2, reps=1, progress=lines.append
     )
     assert profile.verify_tokens == [1, 2, 4, 8] and all(s > 0 for s in profile.verify_seconds)
+    # the batch shapes the engine runs: 1 and 2 rows by 1, 2 and 4 tokens a row
+    batch = profile.verify_batch
+    assert (batch.rows, batch.tokens_per_row) == ([1, 2], [1, 2, 4])
+    assert all(s > 0 for line in batch.seconds for s in line)
+    assert profile.verify_seconds == [*batch.seconds[0], batch.seconds[1][-1]]  # the curve: a subset
     assert profile.draft_per_forward + profile.draft_per_row_forward > 0
     assert profile.extra["draft_rows"] == [1, 2]
-    assert len(lines) == 4 + 2 + 1  # a line per target point, per drafter point, and the total
+    assert len(lines) == 2 * 3 + 2 + 1  # a line per target shape, per drafter point, and the total
     # No timing row is left in either KV cache.
     for part in (tiny_engine.scorer, tiny_engine.drafters["model"]):
         assert not [k for k in part.runner.cache.seq_of if k.startswith(cc.KEY_PREFIX)]
