@@ -115,8 +115,9 @@ def plan(rows: list[RowInfo], cost: RoundCostModel, max_iter: int = 12, overlap:
     unlimited = np.where(model, 0, K + 1)
     limit = np.minimum(np.floor(levels[:, None] * tpf + 1e-9) + unlimited, cap).astype(int)  # [L, B]
     # Widths: the target verifies [B, max k + 1] (rows padded to the widest), so under a width W
-    # every row may draft up to W for free in the target; candidates for every W as well.
-    widths = np.minimum(np.arange(int(floor.max()), K + 1)[:, None], cap)  # [W, B]
+    # every row may draft up to W for free in the target; candidates for every level and W.
+    # (Priced by total tokens, no width is special: the caps alone.)
+    widths = np.minimum(np.arange(int(floor.max()) if cost.batched else K, K + 1)[:, None], cap)  # [W, B]
 
     def rate_of(k):
         """Exact tokens / seconds of allocations k [..., B] -> (rate, seconds) [...]."""
@@ -155,7 +156,7 @@ def plan(rows: list[RowInfo], cost: RoundCostModel, max_iter: int = 12, overlap:
         # Under each level, each row up to its limit (levels above the longest row add nothing),
         # every candidate costed exactly.
         top = math.ceil(float((worth * per_forward).max()) - 1e-9)
-        under = np.concatenate([limit[: max(top - low, 0) + 1], widths])  # [L + W, B]
+        under = np.minimum(limit[: max(top - low, 0) + 1, None], widths[None]).reshape(-1, B)  # [L * W, B]
         rate, k = best_of(np.minimum(worth[:, None, :], under).reshape(-1, B))
         if rate <= lam * (1 + 1e-12):
             # The greedy's own moves, one draft more or one less for a row: they climb to a kink
