@@ -10,7 +10,7 @@ import yaml
 from fly_serve.acceptance import AcceptanceTracker, expected_emitted
 from fly_serve.allocator import RowInfo, allocate, min_confidence_for, plan
 from fly_serve.cost_calibration import batch_shapes, verify_points
-from fly_serve.cost_check import CostCheck
+from fly_serve.cost_check import CostCheck, point_of
 from fly_serve.round_cost import MODEL, NONE, PLD, BatchVerify, CostProfile, RoundCostModel
 from fly_serve.speculation_policy import SpeculationPolicy
 
@@ -593,6 +593,28 @@ def test_cost_check_ignores_scale_and_fixes_shape():
     assert fixed is not None
     corrected = RoundCostModel(fixed)
     assert corrected.verify_s(9) == pytest.approx(0.11) and corrected.verify_s(1) == pytest.approx(0.11)
+
+
+def test_cost_check_compares_a_batch_table_by_shape_and_corrects_it_as_a_table():
+    shape = lambda b, t: 0.25 + 0.03 * b + 0.004 * b * t  # noqa: E731
+    cost = RoundCostModel(shaped_profile(shape, 0.03, 0.005))
+    assert point_of(cost, [3, 0, 1]) == (3, 4) and point_of(RoundCostModel(flat_profile()), [3, 0, 1]) == 7
+    points = [(1, 1), (8, 1), (8, 4)] * 5
+    check = CostCheck()
+    for point in points:  # this table, three times slower everywhere: the same plan
+        assert check.observe(cost, point, 3 * shape(*point), 2, 2, 3 * cost.draft_s(2, 2)) is None
+    # A table from elsewhere, where a row in the batch cost 4x as much: corrected, still a table.
+    elsewhere = RoundCostModel(shaped_profile(lambda b, t: 0.25 + 0.12 * b + 0.004 * b * t, 0.03, 0.005))
+    check, fixed = CostCheck(), None
+    for point in points:
+        fixed = fixed or check.observe(elsewhere, point, shape(*point), 0, 0, 0.0)
+    assert fixed is not None and RoundCostModel(fixed).batched
+    # The shapes measured (3 rounds each when it fired) exactly; one not yet measured is scaled
+    # by the ratio at the nearest shape seen, nearer the truth than it was.
+    for point in [(1, 1), (8, 1)]:
+        assert RoundCostModel(fixed).verify_width_s(*point) == pytest.approx(shape(*point))
+    error = lambda model: abs(model.verify_width_s(8, 4) - shape(8, 4))  # noqa: E731
+    assert error(RoundCostModel(fixed)) < 0.2 * error(elsewhere)
 
 
 # ---- in the engine (tiny random models)
