@@ -72,8 +72,9 @@ def plan(rows: list[RowInfo], cost: RoundCostModel, max_iter: int = 12, overlap:
 
     With the profile's batch table the target's forward is [B, max k + 1] (round_cost.py), so the
     verification is shared like the drafter's forwards: the candidates are also made for every
-    width W (each row up to W), a row below the widest verifies for free, and widening costs
-    the step of all B rows. The objective stays the batch's tokens per second.
+    width W (each row up to W, under each drafter level), a row below the widest verifies for
+    free, and widening costs the step of all B rows (exact on brute force for any table that
+    never falls). The objective stays the batch's tokens per second.
 
     overlap: draft-ahead's round cost (round_cost.py): max(draft, verify) plus the lost bets'
     drafting. The candidates are costed exactly by it, so the uniform start finds the k where
