@@ -38,7 +38,7 @@ class Plan:
     tokens: float  # expected tokens emitted by the round
     seconds: float  # predicted seconds of the round
     forwards: int = 0  # drafter forwards
-    marginal_s: float = 0.0  # seconds one more draft of a row below the longest would add
+    marginal_s: float = 0.0  # seconds one more draft of a row adds (padded forward: its share of a wider one)
 
     @property
     def rate(self) -> float:
@@ -70,6 +70,12 @@ def plan(rows: list[RowInfo], cost: RoundCostModel, max_iter: int = 12, overlap:
     one draft more or one less for one row, are tried before stopping. Exact on brute force for
     linear and convex verify(n); on a non-convex one it may stop at a local optimum.
 
+    With the profile's batch table the target's forward is [B, max k + 1] (round_cost.py), so the
+    verification is shared like the drafter's forwards: the candidates are also made for every
+    width W (each row up to W, under each drafter level), a row below the widest verifies for
+    free, and widening costs the step of all B rows (exact on brute force for any table that
+    never falls). The objective stays the batch's tokens per second.
+
     overlap: draft-ahead's round cost (round_cost.py): max(draft, verify) plus the lost bets'
     drafting. The candidates are costed exactly by it, so the uniform start finds the k where
     drafting meets verification.
@@ -98,8 +104,7 @@ def plan(rows: list[RowInfo], cost: RoundCostModel, max_iter: int = 12, overlap:
     K = int(cap.max())
     flat = (np.cumsum(a[:, None] ** np.arange(K + 1), axis=1) - 1.0).ravel()
     base = np.arange(B) * (K + 1)
-    verify = cost.verify_s(np.arange(B, B + int(cap.sum()) + 2, dtype=float))
-    slope = np.diff(verify)
+    slope = _verify_per_draft(cost, B, int(cap.sum()), K)
     # a**j > x  <=>  j < log(x) / log(a); a = 1 gets a tiny negative log (every draft is kept).
     inv_log_a = 1.0 / np.log(np.minimum(np.maximum(a, 1e-300), 1.0 - 1e-15))
 
@@ -110,6 +115,10 @@ def plan(rows: list[RowInfo], cost: RoundCostModel, max_iter: int = 12, overlap:
     levels = np.arange(low, int(need.max()) + 1)
     unlimited = np.where(model, 0, K + 1)
     limit = np.minimum(np.floor(levels[:, None] * tpf + 1e-9) + unlimited, cap).astype(int)  # [L, B]
+    # Widths: the target verifies [B, max k + 1] (rows padded to the widest), so under a width W
+    # every row may draft up to W for free in the target; candidates for every level and W.
+    # (Priced by total tokens, no width is special: the caps alone.)
+    widths = np.minimum(np.arange(int(floor.max()) if cost.batched else K, K + 1)[:, None], cap)  # [W, B]
 
     def rate_of(k):
         """Exact tokens / seconds of allocations k [..., B] -> (rate, seconds) [...]."""
@@ -118,10 +127,10 @@ def plan(rows: list[RowInfo], cost: RoundCostModel, max_iter: int = 12, overlap:
         shared = (e + c * forwards) * (forwards > 0)
         if overlap:
             peek = (c + d * (model & (k > 0)).sum(-1)) * (forwards > 0)
-            work = overlapped_s(verify[k.sum(-1)], shared, d * f, hit_chance(k, a, model), peek)
+            work = overlapped_s(cost.verify_round_s(k), shared, d * f, hit_chance(k, a, model), peek)
             seconds = cost.overhead_s + work
         else:
-            seconds = cost.overhead_s + verify[k.sum(-1)] + shared + d * f.sum(-1)
+            seconds = cost.overhead_s + cost.verify_round_s(k) + shared + d * f.sum(-1)
         return (B + flat[base + k].sum(-1)) / np.maximum(seconds, _TINY), seconds
 
     def best_of(k):
@@ -136,10 +145,11 @@ def plan(rows: list[RowInfo], cost: RoundCostModel, max_iter: int = 12, overlap:
     # iteration alone would stay at k = 0, a local optimum.
     lam, ks = best_of(np.maximum(np.minimum(np.arange(K + 1)[:, None], cap), floor))
     for _ in range(max_iter):
-        # The target's seconds per draft, either side of the current token count and between.
-        n = int(ks.sum())
+        # The target's seconds per draft, either side of the current operating point and between;
+        # 0: a draft below the widest row (free in a padded forward).
+        n = int(ks.max()) if cost.batched else int(ks.sum())
         s = slope[[max(n - 1, 0), n]]
-        s = np.array([s[0], s[1], s.mean()])
+        s = np.array([s[0], s[1], s.mean(), 0.0])
         # Drafts worth their seconds at rate lam: a**j > x, x = lam * seconds per draft.
         cost_row = lam * (s[:, None] + d_row)  # [S, B]
         worth = np.ceil(np.log(np.maximum(cost_row, 1e-300)) * inv_log_a) - 1
@@ -147,7 +157,8 @@ def plan(rows: list[RowInfo], cost: RoundCostModel, max_iter: int = 12, overlap:
         # Under each level, each row up to its limit (levels above the longest row add nothing),
         # every candidate costed exactly.
         top = math.ceil(float((worth * per_forward).max()) - 1e-9)
-        rate, k = best_of(np.minimum(worth[:, None, :], limit[: max(top - low, 0) + 1]).reshape(-1, B))
+        under = np.minimum(limit[: max(top - low, 0) + 1, None], widths[None]).reshape(-1, B)  # [L * W, B]
+        rate, k = best_of(np.minimum(worth[:, None, :], under).reshape(-1, B))
         if rate <= lam * (1 + 1e-12):
             # The greedy's own moves, one draft more or one less for a row: they climb to a kink
             # of a curved verify(n) that the thresholds jump over.
@@ -161,8 +172,18 @@ def plan(rows: list[RowInfo], cost: RoundCostModel, max_iter: int = 12, overlap:
         tokens=rate * seconds,
         seconds=seconds,
         forwards=math.ceil(float((ks * per_forward).max()) - 1e-9),
-        marginal_s=float(slope[int(ks.sum())]) + d,
+        marginal_s=float(slope[int(ks.max() if cost.batched else ks.sum())]) + d,
     )
+
+
+def _verify_per_draft(cost: RoundCostModel, B: int, drafts: int, K: int) -> np.ndarray:
+    """The target's seconds per draft around each operating point: by total drafts n (index n,
+    the step from n to n + 1 drafts) on the one-row curve; with the batch table, by the widest
+    row's k (index k, the step of widening every row from k + 1 to k + 2 tokens, shared by the B
+    rows: one row's share of it)."""
+    if cost.batched:
+        return np.diff(cost.verify_width_s(B, np.arange(1, K + 3, dtype=float))) / B
+    return np.diff(cost.verify_s(np.arange(B, B + drafts + 2, dtype=float)))
 
 
 @functools.lru_cache(maxsize=8)

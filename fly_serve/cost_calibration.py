@@ -7,11 +7,18 @@ or through remote replicas alike, and caches the result under the fly-serve cach
 a hash of everything that changes the curve (calibration_key). `fly-serve tune-k` writes the same
 entry. A profile given explicitly (`speculation_profile`) overrides it.
 
-  target    seconds of one verification by tokens in it: 1, 2, 4, ... up to k_max + 1 on one row,
-            then whole rows of k_max drafts up to max_batch rows (a few points, the fastest of
-            `reps` calls each)
-  drafter   seconds per batched forward by rows in it (1 and max_batch rows): drafting 1 and
-            DRAFT_K tokens per row, the difference is DRAFT_K - 1 forwards
+  target    seconds of one verification by its shape, as the engine runs it: B rows of T tokens
+            each (the last token and T - 1 drafts, over a context), B = 1, 2, 4, ... max_batch,
+            T = 1, 2, 4, ... k_max + 1 (the fastest of `reps` calls each). B one-token rows cost
+            otherwise than one row of B tokens (each attends its own context), so the batch
+            shapes are measured rather than read off a one-row curve (round_cost.BatchVerify).
+            The one-row points and the rows of k_max drafts also make the token curve.
+  drafter   seconds per batched forward by rows in it (B = 1, 2, 4, ... max_batch): drafting 1
+            and DRAFT_K tokens per row, the difference is DRAFT_K - 1 forwards
+
+Cost: (log2 max_batch + 2) x (log2 (k_max + 1) + 2) target shapes at most (20 for max_batch 8,
+k_max 15), `reps` verifies each, plus two untimed ones; the drafter (1 + reps x (1 + DRAFT_K))
+forwards per batch size.
 
 The timing rows are dummies (random token ids, a short context) under their own keys; their KV
 is released afterwards, so the requests that follow have the whole cache.
@@ -33,12 +40,12 @@ import torch
 
 from .config import EngineConfig
 from .contracts import Drafts, Row
-from .round_cost import CostProfile, fit_per_forward
+from .round_cost import BatchVerify, CostProfile, fit_per_forward
 from .weights import cache_dir
 
 log = logging.getLogger("fly_serve.cost_calibration")
 
-FORMAT = 1  # bump when what a profile means changes: older cache entries are then ignored
+FORMAT = 2  # bump when what a profile means changes: older cache entries are then ignored
 DRAFT_K = 4  # drafts per row of the drafter's long call (the short one drafts 1)
 CONTEXT_TOKENS = 16  # context of each timing row: a verify feeds its last token and drafts only
 KEY_PREFIX = "calibrate-"
@@ -146,11 +153,22 @@ def save_cached(key: dict, profile: CostProfile) -> Path:
 
 # ---- the measurement
 def verify_points(k_max: int, max_batch: int) -> list[tuple[int, int]]:
-    """(rows, k) of each target point: tokens 1, 2, 4, ... on one row up to k_max + 1, then
-    2, 4, ... rows of k_max drafts up to max_batch, each end measured rather than extrapolated."""
-    one_row = sorted({min(2**i, k_max + 1) for i in range((k_max + 1).bit_length() + 1)})
-    rows = sorted({min(2**i, max_batch) for i in range(1, max(max_batch, 1).bit_length() + 1)} - {1})
-    return [(1, n - 1) for n in one_row] + [(b, k_max) for b in rows if b > 1]
+    """(rows, k) of the token curve's points, a subset of batch_shapes: tokens 1, 2, 4, ... on one
+    row up to k_max + 1, then 2, 4, ... rows of k_max drafts up to max_batch, each end measured."""
+    rows, widths = batch_shapes(k_max, max_batch)
+    return [(1, t - 1) for t in widths] + [(b, k_max) for b in rows if b > 1]
+
+
+def batch_shapes(k_max: int, max_batch: int) -> tuple[list[int], list[int]]:
+    """(rows, tokens per row) of the target's timed shapes: powers of two and each end,
+    1 .. max_batch rows by 1 .. k_max + 1 tokens a row."""
+    return _powers_to(max_batch), _powers_to(k_max + 1)
+
+
+def _powers_to(n: int) -> list[int]:
+    """1, 2, 4, ... and n itself (n >= 1)."""
+    n = max(int(n), 1)
+    return sorted({min(2**i, n) for i in range(n.bit_length() + 1)})
 
 
 def timing_rows(n_rows: int, vocab: int, k: int, seed: int = 0) -> list[Row]:
@@ -215,14 +233,15 @@ def measure_profile(
     curves are what a draft-ahead round sees when the two share the machine."""
     started = time.perf_counter()
     vocab = scorer.vocab_size
-    points = verify_points(k_max, max_batch)
-    rows = timing_rows(max(b for b, _ in points), vocab, 0)
+    batch_rows, widths = batch_shapes(k_max, max_batch)
+    shapes = [(b, t) for b in batch_rows for t in widths]
+    rows = timing_rows(max(batch_rows), vocab, 0)
     gen = torch.Generator().manual_seed(0)
     keys = [r.key for r in rows]
     try:
         scorer.verify(rows, Drafts.empty(len(rows)))  # prefill every timing row once (untimed)
         scorer.verify(rows[:1], _random_drafts(rows[:1], 1, vocab, gen))  # first-call warm-up
-        tokens, seconds = [], []
+        grid: dict[tuple[int, int], float] = {}  # (rows, tokens per row) -> seconds
         load_gen = torch.Generator().manual_seed(1)
         stages = stages if drafter is not None else None
         load_row = replace(rows[0], key=LOAD_KEY)
@@ -233,17 +252,18 @@ def measure_profile(
         def verify_load():
             scorer.verify([load_row], _random_drafts([load_row], k_max, vocab, load_gen))
 
-        for i, (b, k) in enumerate(points, 1):
-            t = _under(stages, "verify", draft_load, time_verify, scorer, rows[:b], k, reps, gen)
-            tokens.append(b * (k + 1))
-            seconds.append(t)
+        for i, (b, t) in enumerate(shapes, 1):
+            grid[b, t] = _under(stages, "verify", draft_load, time_verify, scorer, rows[:b], t - 1, reps, gen)
             progress(
-                f"calibrating k auto: target, {b * (k + 1)} tokens in a forward: {t * 1e3:.1f} ms ({i}/{len(points)})"
+                f"calibrating k auto: target, {b} rows x {t} tokens in a forward: "
+                f"{grid[b, t] * 1e3:.1f} ms ({i}/{len(shapes)})"
             )
+        points = verify_points(k_max, max_batch)  # the token curve: one row, then rows of k_max drafts
+        tokens, seconds = [b * (k + 1) for b, k in points], [grid[b, k + 1] for b, k in points]
         e, c, d, draft_rows, draft_seconds = 0.0, 0.0, 0.0, [], []
         if drafter is not None:
             per_round = []
-            for b in sorted({1, max_batch}):
+            for b in batch_rows:
                 per_forward, extra = _under(stages, "draft", verify_load, time_draft, drafter, rows[:b], reps)
                 draft_rows.append(b)
                 draft_seconds.append(per_forward)
@@ -271,6 +291,7 @@ def measure_profile(
             "took_s": round(took, 2),
             **({"overlap": True} if stages is not None else {}),
         },
+        BatchVerify(batch_rows, widths, [[grid[b, t] for t in widths] for b in batch_rows]),
     )
 
 

@@ -30,6 +30,15 @@ drafts and the guessed bonus are kept, a**(k+1) at per-token acceptance a, so
 peek being the drafter's one forward for its own next token. More drafts stay free until
 drafting meets verification; past that each costs its whole time, and every draft lowers the
 chance the bet wins.
+
+Verify-time model. The target verifies the round's rows in one forward of [B, W] tokens, W =
+max_b (k_b + 1): rows are right-padded to the longest (runner.py), and B one-token rows, each
+attending its own context, cost otherwise than one row of B tokens. A measured profile therefore
+carries a table of seconds by (rows, tokens per row), BatchVerify, timed at those shapes, and a
+round costs its padded shape read off it: a row below the widest drafts for free in the target,
+raising the widest costs the step of all B rows. A profile without the table (written by hand,
+an older tune-k, the default shape, a corrected one) prices the forward by its real tokens
+sum_b (k_b + 1) on the one-row curve, as before.
 """
 
 import math
@@ -46,10 +55,43 @@ KINDS = (MODEL, *FREE_KINDS, NONE)
 
 
 @dataclass
+class BatchVerify:
+    """The target forward's seconds by its shape: seconds[i][j] for rows[i] rows of
+    tokens_per_row[j] tokens each (the last token and k = tokens_per_row - 1 drafts)."""
+
+    rows: list[int]
+    tokens_per_row: list[int]
+    seconds: list[list[float]]  # [R, T]
+
+    def __post_init__(self):
+        shape = (len(self.rows), len(self.tokens_per_row))
+        if np.asarray(self.seconds, dtype=float).shape != shape:
+            raise ValueError(f"profile verify batch: seconds must be rows x tokens_per_row, {shape}")
+        if min(shape) < 1 or len(set(self.rows)) != shape[0] or len(set(self.tokens_per_row)) != shape[1]:
+            raise ValueError("profile verify batch: needs distinct rows and tokens_per_row")
+
+    def to_dict(self) -> dict:
+        return {
+            "rows": [int(b) for b in self.rows],
+            "tokens_per_row": [int(t) for t in self.tokens_per_row],
+            "seconds": [[_sig(x) for x in line] for line in self.seconds],
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "BatchVerify":
+        return cls(
+            [int(b) for b in d["rows"]],
+            [int(t) for t in d["tokens_per_row"]],
+            [[float(x) for x in line] for line in d["seconds"]],
+        )
+
+
+@dataclass
 class CostProfile:
     """A round's costs as measured on one machine (seconds). verify_tokens / verify_seconds: the
     target forward by tokens in it (all rows together); draft_*: e, c, d of the module docstring;
-    overhead_s: the rest of a round (decide, commit); source: where it was measured (free text)."""
+    overhead_s: the rest of a round (decide, commit); source: where it was measured (free text);
+    verify_batch: the forward by batch shape (BatchVerify), which prices rounds where present."""
 
     verify_tokens: list[float]
     verify_seconds: list[float]
@@ -59,6 +101,7 @@ class CostProfile:
     overhead_s: float = 0.0
     source: str = ""
     extra: dict = field(default_factory=dict)  # what the measurement saw (points, key), kept verbatim
+    verify_batch: BatchVerify | None = None
 
     def __post_init__(self):
         if len(self.verify_tokens) != len(self.verify_seconds):
@@ -72,6 +115,7 @@ class CostProfile:
             "verify": {
                 "tokens": [_num(x) for x in self.verify_tokens],
                 "seconds": [_sig(x) for x in self.verify_seconds],
+                **({"batch": self.verify_batch.to_dict()} if self.verify_batch is not None else {}),
             },
             "draft": {
                 "per_round": _sig(self.draft_per_round),
@@ -104,6 +148,7 @@ class CostProfile:
             float(d.get("overhead_s", 0.0)),
             str(d.get("source", "")),
             dict(d.get("extra", {})),
+            BatchVerify.from_dict(v["batch"]) if "batch" in v else None,
         )
 
     @classmethod
@@ -137,11 +182,12 @@ DEFAULT_PROFILE = CostProfile([1, 64, 1024], [1.0, 2.0, 17.0], 0.0, 0.1, 0.01, 0
 
 
 class RoundCostModel:
-    """Predicted seconds of a round = overhead + verify(n) + draft(F, sum f) (module docstring).
+    """Predicted seconds of a round = overhead + verify + draft(F, sum f) (module docstring).
 
     verify(n), n = sum_b (k_b + 1) the tokens in the target forward: piecewise linear over the
     profile's measured token counts (a GPU forward is flat until compute-bound, then linear),
     extended linearly past them, non-negative and non-decreasing (more tokens never verify faster).
+    With the profile's batch table, a round's verify is its padded shape instead (verify_round_s).
     """
 
     def __init__(self, profile: CostProfile | dict | None = None):
@@ -150,19 +196,44 @@ class RoundCostModel:
         order = np.argsort(np.asarray(p.verify_tokens, dtype=float))
         self.knots = np.asarray(p.verify_tokens, dtype=float)[order]  # [N]
         v = np.maximum.accumulate(np.maximum(np.asarray(p.verify_seconds, dtype=float)[order], 0.0))  # [N]
-        # One far point past each end, so one np.interp call extrapolates the end segments.
-        k, far = self.knots, 1e7 * max(self.knots[-1] - self.knots[0], 1.0)
-        lo = v[0] - (v[1] - v[0]) / (k[1] - k[0]) * far
-        hi = v[-1] + (v[-1] - v[-2]) / (k[-1] - k[-2]) * far
-        self._interp = (np.concatenate([[k[0] - far], k, [k[-1] + far]]), np.concatenate([[lo], v, [hi]]))
+        self._interp = _extended(self.knots, v)
         # (e per drafting round, c per forward, d per row per forward), non-negative.
         self.draft_coefficients = np.maximum([p.draft_per_round, p.draft_per_forward, p.draft_per_row_forward], 0.0)
         self.overhead_s = max(float(p.overhead_s), 0.0)
+        self._batch = _batch_table(p.verify_batch) if p.verify_batch is not None else None
+        self._by_rows: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # B -> the curve over tokens per row
+
+    @property
+    def batched(self) -> bool:
+        """True: rounds are priced by their padded shape (the profile has a batch table)."""
+        return self._batch is not None
 
     def verify_s(self, tokens):
         """Seconds of a target forward over `tokens` tokens (all rows together); arrays too."""
         out = np.maximum(np.interp(tokens, *self._interp), 0.0)
         return out if out.ndim else float(out)
+
+    def verify_width_s(self, rows: int, tokens_per_row):
+        """Seconds of a forward of `rows` rows of `tokens_per_row` tokens each (arrays too): the
+        batch table, linear between its shapes and past them, non-decreasing both ways. Without a
+        table: the one-row curve at rows * tokens_per_row."""
+        if self._batch is None:
+            return self.verify_s(rows * np.asarray(tokens_per_row, dtype=float))
+        curve = self._by_rows.get(rows)
+        if curve is None:
+            table_rows, widths, seconds = self._batch
+            at_rows = [float(np.interp(rows, *_extended(table_rows, seconds[:, j]))) for j in range(len(widths))]
+            curve = self._by_rows[rows] = _extended(widths, np.maximum.accumulate(np.maximum(at_rows, 0.0)))
+        out = np.maximum(np.interp(tokens_per_row, *curve), 0.0)
+        return out if out.ndim else float(out)
+
+    def verify_round_s(self, ks):
+        """Seconds of the target forward of a round in which row b drafts ks[b] (ks [..., B]):
+        [B, max k + 1] padded with the batch table, else sum (k + 1) tokens on the one-row curve."""
+        ks = np.asarray(ks)
+        if self._batch is None:
+            return self.verify_s((ks + 1).sum(-1))
+        return self.verify_width_s(ks.shape[-1], ks.max(-1) + 1)
 
     def draft_s(self, forwards, row_forwards):
         """Seconds of a drafting call of `forwards` batched forwards holding `row_forwards` rows in all."""
@@ -179,7 +250,7 @@ class RoundCostModel:
         tpf = np.array([tokens_per_forward(r) for r in rows])  # [B]
         f = np.where(model, ks / tpf, 0.0)  # [B] drafter forwards each row is in
         forwards = math.ceil(float(f.max()) - 1e-9) if len(rows) else 0
-        verify = self.verify_s(float((ks + 1).sum()))
+        verify = self.verify_round_s(ks) if len(rows) else 0.0
         if not overlap:
             return float(self.overhead_s + verify + self.draft_s(forwards, f.sum()))
         e, c, d = self.draft_coefficients
@@ -187,6 +258,28 @@ class RoundCostModel:
         hit = hit_chance(ks, [r.acceptance or 0.0 for r in rows], model)
         peek = (c + d * int((model & (ks > 0)).sum())) if forwards > 0 else 0.0
         return float(self.overhead_s + overlapped_s(verify, shared, d * f, hit, peek))
+
+
+def _extended(knots, values) -> tuple[np.ndarray, np.ndarray]:
+    """np.interp's (x, y) for a piecewise-linear curve through (knots, values) that goes on
+    linearly past either end: one far point past each end, so one np.interp call extrapolates the
+    end segments. A single knot: flat."""
+    k, v = np.asarray(knots, dtype=float), np.asarray(values, dtype=float)
+    if len(k) < 2:
+        return np.array([k[0] - 1.0, k[0] + 1.0]), np.array([v[0], v[0]])
+    far = 1e7 * max(k[-1] - k[0], 1.0)
+    lo = v[0] - (v[1] - v[0]) / (k[1] - k[0]) * far
+    hi = v[-1] + (v[-1] - v[-2]) / (k[-1] - k[-2]) * far
+    return np.concatenate([[k[0] - far], k, [k[-1] + far]]), np.concatenate([[lo], v, [hi]])
+
+
+def _batch_table(batch: BatchVerify) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(rows [R], tokens per row [T], seconds [R, T]) sorted, seconds non-negative and
+    non-decreasing in both (more rows or more tokens never verify faster)."""
+    rows, widths = np.asarray(batch.rows, dtype=float), np.asarray(batch.tokens_per_row, dtype=float)
+    r, t = np.argsort(rows), np.argsort(widths)
+    seconds = np.maximum(np.asarray(batch.seconds, dtype=float)[r][:, t], 0.0)
+    return rows[r], widths[t], np.maximum.accumulate(np.maximum.accumulate(seconds, 0), 1)
 
 
 def hit_chance(k, a, model):

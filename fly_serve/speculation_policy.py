@@ -29,7 +29,7 @@ import math
 
 from .acceptance import AcceptanceTracker
 from .allocator import Plan, RowInfo, min_confidence_for, plan
-from .cost_check import CostCheck
+from .cost_check import CostCheck, point_of
 from .round_cost import MODEL, NONE, CostProfile, RoundCostModel
 
 log = logging.getLogger("fly_serve.speculation_policy")
@@ -153,7 +153,7 @@ class SpeculationPolicy:
         if self.frozen:
             return
         better = self.check.observe(
-            self.cost, sum(n + 1 for n in drafted), verify_s, forwards, rows_in_forwards, draft_s
+            self.cost, point_of(self.cost, drafted), verify_s, forwards, rows_in_forwards, draft_s
         )
         if better is not None:
             log.info("k auto: measured rounds contradict the cost profile's shape; replaced by %s", better.to_dict())

@@ -2,6 +2,7 @@
 cached per machine, models and versions (tiny models; no speed asserted)."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -37,6 +38,44 @@ def test_points_cover_one_row_up_to_k_max_then_whole_rows_up_to_max_batch():
     assert cc.verify_points(3, 1) == [(1, 0), (1, 1), (1, 3)]
 
 
+def test_shapes_reach_max_batch_and_k_max_and_stay_few():
+    assert cc.batch_shapes(15, 8) == ([1, 2, 4, 8], [1, 2, 4, 8, 16])
+    assert cc.batch_shapes(6, 3) == ([1, 2, 3], [1, 2, 4, 7])
+    for k_max, max_batch in ((15, 8), (31, 64), (7, 256), (3, 1)):
+        rows, widths = cc.batch_shapes(k_max, max_batch)
+        assert (rows[0], rows[-1], widths[0], widths[-1]) == (1, max_batch, 1, k_max + 1)
+        # logarithmic in both: 20 shapes for the served default (max_batch 8, k_max 15)
+        assert len(rows) * len(widths) <= (math.log2(max_batch) + 2) * (math.log2(k_max + 1) + 2)
+        # the token curve's points are among the timed shapes
+        assert {(b, k + 1) for b, k in cc.verify_points(k_max, max_batch)} <= {(b, t) for b in rows for t in widths}
+
+
+def test_calibration_runs_a_bounded_number_of_calls(tiny_engine):
+    scorer, drafter = tiny_engine.scorer, tiny_engine.drafters["model"]
+    calls = {"verify": [], "propose": []}
+
+    def recording(part, name):
+        method = getattr(part, name)
+
+        def call(rows, *args):
+            calls[name].append(len(rows))
+            return method(rows, *args)
+
+        setattr(part, name, call)
+
+    recording(scorer, "verify")
+    recording(drafter, "propose")
+    try:
+        profile = cc.measure_profile(scorer, drafter, k_max=3, max_batch=2, reps=2, progress=lambda _: None)
+    finally:
+        del scorer.verify, drafter.propose
+    shapes = len(profile.verify_batch.rows) * len(profile.verify_batch.tokens_per_row)
+    assert shapes == 2 * 3
+    assert len(calls["verify"]) == 2 + 2 * shapes  # the prefill, a warm-up, then reps a shape
+    assert max(calls["verify"]) == 2  # never more rows than max_batch
+    assert len(calls["propose"]) == 2 * (1 + 2 * 2)  # per batch size: a warm-up, reps of 1 and of DRAFT_K
+
+
 def test_timed_verifies_feed_only_the_last_token_and_the_drafts(tiny_engine):
     rows = cc.timing_rows(2, tiny_engine.scorer.vocab_size, 0)
     assert [len(r.tokens) for r in rows] == [cc.CONTEXT_TOKENS] * 2 and rows[0].tokens != rows[1].tokens
@@ -65,9 +104,14 @@ def test_measure_profile_times_both_parts_and_releases_its_rows(tiny_engine):
         tiny_engine.scorer, tiny_engine.drafters["model"], k_max=3, max_batch=2, reps=1, progress=lines.append
     )
     assert profile.verify_tokens == [1, 2, 4, 8] and all(s > 0 for s in profile.verify_seconds)
+    # the batch shapes the engine runs: 1 and 2 rows by 1, 2 and 4 tokens a row
+    batch = profile.verify_batch
+    assert (batch.rows, batch.tokens_per_row) == ([1, 2], [1, 2, 4])
+    assert all(s > 0 for line in batch.seconds for s in line)
+    assert profile.verify_seconds == [*batch.seconds[0], batch.seconds[1][-1]]  # the curve: a subset
     assert profile.draft_per_forward + profile.draft_per_row_forward > 0
     assert profile.extra["draft_rows"] == [1, 2]
-    assert len(lines) == 4 + 2 + 1  # a line per target point, per drafter point, and the total
+    assert len(lines) == 2 * 3 + 2 + 1  # a line per target shape, per drafter point, and the total
     # No timing row is left in either KV cache.
     for part in (tiny_engine.scorer, tiny_engine.drafters["model"]):
         assert not [k for k in part.runner.cache.seq_of if k.startswith(cc.KEY_PREFIX)]
@@ -81,6 +125,7 @@ def test_calibrate_engine_measures_once_then_reads_the_cache(tiny_engine, cache)
     first = cc.calibrate_engine(tiny_engine, key(), reps=1, progress=lines.append)
     assert tiny_engine.policy.profile is first and any("cached in" in line for line in lines)
     assert tiny_engine.policy.frozen  # measured here: the cost check never replaces it
+    assert tiny_engine.policy.cost.batched  # rounds priced by their batch shape
     entry = json.loads(cc.cache_path(key()).read_text())
     assert entry["key"]["machine"]["torch_threads"] == torch.get_num_threads()
     lines.clear()

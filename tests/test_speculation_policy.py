@@ -9,8 +9,9 @@ import yaml
 
 from fly_serve.acceptance import AcceptanceTracker, expected_emitted
 from fly_serve.allocator import RowInfo, allocate, min_confidence_for, plan
-from fly_serve.cost_check import CostCheck
-from fly_serve.round_cost import MODEL, NONE, PLD, CostProfile, RoundCostModel
+from fly_serve.cost_calibration import batch_shapes, verify_points
+from fly_serve.cost_check import CostCheck, point_of
+from fly_serve.round_cost import MODEL, NONE, PLD, BatchVerify, CostProfile, RoundCostModel
 from fly_serve.speculation_policy import SpeculationPolicy
 
 
@@ -223,7 +224,12 @@ def random_instance(rng, curve: str, mixed: bool = True):
         "per_forward": rng.uniform(0, 0.03),
         "per_row_forward": rng.uniform(0, 0.01),
     }
-    return rows, RoundCostModel({"verify": {"tokens": tokens.tolist(), "seconds": seconds.tolist()}, "draft": draft})
+    verify = {"tokens": tokens.tolist(), "seconds": seconds.tolist()}
+    if curve == "batched":  # the forward by shape, [B, max k + 1]: any table non-decreasing both ways
+        steps = rng.uniform(0, 0.01, (3, 4)) * rng.choice([0, 1], (3, 4), p=[0.3, 0.7])
+        table = rng.uniform(0.001, 0.05) + np.cumsum(np.cumsum(steps, 0), 1)
+        verify["batch"] = {"rows": [1, 2, 3], "tokens_per_row": [1, 2, 3, 5], "seconds": table.tolist()}
+    return rows, RoundCostModel({"verify": verify, "draft": draft})
 
 
 def gaps(seed, curve, mixed, n=300):
@@ -242,6 +248,13 @@ def gaps(seed, curve, mixed, n=300):
 @pytest.mark.parametrize("curve, mixed", [("linear", True), ("convex", True), ("convex", False)])
 def test_allocation_matches_brute_force(curve, mixed):
     assert gaps(10, curve, mixed).max() <= 1e-9
+
+
+def test_allocation_near_brute_force_on_batch_tables():
+    # A padded forward shares the target like the drafter's forwards: candidates by width
+    for mixed in (False, True):
+        g = gaps(12, "batched", mixed)
+        assert g.max() <= 1e-9
 
 
 def test_allocation_near_brute_force_on_any_curve():
@@ -333,6 +346,75 @@ def test_fixed_rows_keep_their_k_and_the_others_adapt():
     assert ks[0] == 15
     # The fixed row already runs 15 forwards, so the auto row's drafts cost only its share.
     assert ks[1] >= allocate([RowInfo("auto", 15, acceptance=0.8)], cost)[0]
+
+
+# ---- the forward by batch shape (a calibrated profile's table)
+def shaped_profile(seconds_of, per_forward, per_row_forward, k_max=15, max_batch=8) -> CostProfile:
+    """A profile as the calibration writes it from a fake forward cost seconds_of(rows, tokens per
+    row): the table at its shapes and the token curve at its points."""
+    rows, widths = batch_shapes(k_max, max_batch)
+    table = BatchVerify(rows, widths, [[seconds_of(b, t) for t in widths] for b in rows])
+    points = verify_points(k_max, max_batch)
+    tokens, seconds = [b * (k + 1) for b, k in points], [seconds_of(b, k + 1) for b, k in points]
+    return CostProfile(tokens, seconds, 0.0, per_forward, per_row_forward, 0.0, "fake", {}, table)
+
+
+def planned_k(profile: CostProfile, batch: int, acceptance: float) -> int:
+    """The k the allocator gives every one of `batch` alike rows (k auto up to 15)."""
+    ks = allocate([RowInfo(str(b), 15, acceptance=acceptance) for b in range(batch)], RoundCostModel(profile))
+    assert len(set(ks)) == 1  # alike rows, one k
+    return ks[0]
+
+
+def test_the_batch_table_round_trips_and_prices_the_padded_shape():
+    profile = shaped_profile(lambda b, t: 0.25 + 0.03 * b + 0.004 * b * t, 0.03, 0.005)
+    again = CostProfile.from_dict(yaml.safe_load(yaml.safe_dump(profile.to_dict())))
+    assert again.to_dict() == profile.to_dict() and again.verify_batch.rows == [1, 2, 4, 8]
+    assert RoundCostModel(again).batched and not RoundCostModel(flat_profile()).batched
+    cost = RoundCostModel(profile)
+    assert cost.verify_width_s(8, 4) == pytest.approx(0.25 + 0.24 + 0.128)  # a measured shape
+    assert cost.verify_width_s(3, 3) == pytest.approx(0.25 + 0.09 + 0.036)  # between shapes: linear
+    assert cost.verify_width_s(16, 32) == pytest.approx(0.25 + 0.48 + 2.048)  # past them: linear too
+    # Rows are padded to the widest: a row below it verifies for free, widening pays for all rows.
+    assert cost.verify_round_s([4, 0, 0]) == cost.verify_round_s([4, 4, 4]) == pytest.approx(cost.verify_width_s(3, 5))
+    rows = [RowInfo(str(b), 8) for b in range(3)]
+    assert cost.round_s([4, 1, 0], rows) - cost.round_s([4, 0, 0], rows) == pytest.approx(0.005)  # its drafting
+    # Never falls, whatever the measurement's noise.
+    noisy = CostProfile([1, 2], [0.1, 0.1], verify_batch=BatchVerify([1, 2], [1, 2], [[0.2, 0.1], [0.15, 0.3]]))
+    widths = RoundCostModel(noisy).verify_width_s(2, np.linspace(0, 5, 21))
+    assert (np.diff(widths) >= 0).all() and RoundCostModel(noisy).verify_width_s(2, 1) >= 0.2
+
+
+def test_where_a_batch_verifies_many_tokens_for_about_one_it_drafts_at_8_rows():
+    # GPU-like: a batch-8 forward of 8 x 4 tokens costs about its 8 x 1 step (memory-bound)
+    gpu = shaped_profile(lambda b, t: 0.02 * (1 + 0.002 * b * t), per_forward=0.001, per_row_forward=0.0001)
+    assert RoundCostModel(gpu).verify_width_s(8, 4) <= 1.05 * RoundCostModel(gpu).verify_width_s(8, 1)
+    assert planned_k(gpu, 8, acceptance=0.8) >= 3
+    assert planned_k(gpu, 1, acceptance=0.8) >= planned_k(gpu, 8, acceptance=0.8)
+
+
+def test_where_the_forward_is_linear_in_its_tokens_a_batch_of_8_drafts_little():
+    # Compute-bound CPU: seconds linear in the forward's tokens. One row pays for its drafts
+    # (the fixed part dominates); at 8 rows every draft a row costs 8 tokens of compute.
+    cpu = shaped_profile(lambda b, t: 0.1 + 0.05 * b * t, per_forward=0.01, per_row_forward=0.002)
+    assert planned_k(cpu, 1, acceptance=0.8) > 0
+    assert planned_k(cpu, 8, acceptance=0.8) <= 1
+
+
+def test_b_rows_cost_more_than_one_row_of_their_tokens_and_the_plan_sees_it():
+    # A CPU whose forward has a cost per row (each attends its own context): 8 one-token rows take
+    # 0.52 s where one row of 8 tokens takes 0.31. The token curve alone (sum (k + 1) tokens, a
+    # profile without the table) prices batch 8's plain step at the one-row 8 tokens, so a draft
+    # looks dearer against it than it is: it planned fewer drafts than the shapes pay for (the
+    # closing note's 16 users: ~1.5 drafts a round where k 3 paid).
+    shape = lambda b, t: 0.25 + 0.03 * b + 0.004 * b * t  # noqa: E731
+    profile = shaped_profile(shape, per_forward=0.03, per_row_forward=0.005)
+    tokens_only = CostProfile(profile.verify_tokens, profile.verify_seconds, 0.0, 0.03, 0.005)
+    truth = RoundCostModel(profile)
+    rows = [RowInfo(str(b), 15, acceptance=0.8) for b in range(8)]
+    by_shape, by_tokens = planned_k(profile, 8, 0.8), planned_k(tokens_only, 8, 0.8)
+    assert by_shape >= 3 and by_shape > by_tokens
+    assert rate([by_shape] * 8, rows, truth) > rate([by_tokens] * 8, rows, truth)
 
 
 def test_min_confidence_rule():
@@ -511,6 +593,28 @@ def test_cost_check_ignores_scale_and_fixes_shape():
     assert fixed is not None
     corrected = RoundCostModel(fixed)
     assert corrected.verify_s(9) == pytest.approx(0.11) and corrected.verify_s(1) == pytest.approx(0.11)
+
+
+def test_cost_check_compares_a_batch_table_by_shape_and_corrects_it_as_a_table():
+    shape = lambda b, t: 0.25 + 0.03 * b + 0.004 * b * t  # noqa: E731
+    cost = RoundCostModel(shaped_profile(shape, 0.03, 0.005))
+    assert point_of(cost, [3, 0, 1]) == (3, 4) and point_of(RoundCostModel(flat_profile()), [3, 0, 1]) == 7
+    points = [(1, 1), (8, 1), (8, 4)] * 5
+    check = CostCheck()
+    for point in points:  # this table, three times slower everywhere: the same plan
+        assert check.observe(cost, point, 3 * shape(*point), 2, 2, 3 * cost.draft_s(2, 2)) is None
+    # A table from elsewhere, where a row in the batch cost 4x as much: corrected, still a table.
+    elsewhere = RoundCostModel(shaped_profile(lambda b, t: 0.25 + 0.12 * b + 0.004 * b * t, 0.03, 0.005))
+    check, fixed = CostCheck(), None
+    for point in points:
+        fixed = fixed or check.observe(elsewhere, point, shape(*point), 0, 0, 0.0)
+    assert fixed is not None and RoundCostModel(fixed).batched
+    # The shapes measured (3 rounds each when it fired) exactly; one not yet measured is scaled
+    # by the ratio at the nearest shape seen, nearer the truth than it was.
+    for point in [(1, 1), (8, 1)]:
+        assert RoundCostModel(fixed).verify_width_s(*point) == pytest.approx(shape(*point))
+    error = lambda model: abs(model.verify_width_s(8, 4) - shape(8, 4))  # noqa: E731
+    assert error(RoundCostModel(fixed)) < 0.2 * error(elsewhere)
 
 
 # ---- in the engine (tiny random models)
