@@ -338,11 +338,13 @@ def test_draft_matchers_follow_the_committed_tokens_and_roll_drafts_back():
     assert not matchers.by_key
 
 
-def test_a_remote_drafter_replica_drafts_under_the_grammar_sent_once():
+@pytest.mark.parametrize("draft_ahead", [False, True])
+def test_a_remote_drafter_replica_drafts_under_the_grammar_sent_once(draft_ahead):
     """The drafter as its replica holds it (a RowHistory in front, its own grammar side, no Ray):
     the in-process engine's tokens, no draft cut, the grammar in a row's whole calls only, and
-    a replica that restarts mid-generation gets it again."""
-    config = EngineConfig(target="tiny:0", drafter="tiny:1", max_model_len=512)
+    a replica that restarts mid-generation gets it again. With draft-ahead the constrained rows
+    bet (their guessed tails pushed on the replica's matchers, never committed there) and win."""
+    config = EngineConfig(target="tiny:0", drafter="tiny:1", max_model_len=512, draft_ahead=draft_ahead)
     params = [
         dict(mode="spd", k=4, max_tokens=100, response_format=rf(SCHEMAS[0])),
         dict(mode="fly", k=4, theta=0.0, window=1, max_tokens=100, response_format=rf(SCHEMAS[1])),
@@ -354,9 +356,11 @@ def test_a_remote_drafter_replica_drafts_under_the_grammar_sent_once():
     part = load_drafter(config)
     part.share_grammars(grammars_for(config))
     target, drafter = Replica(load_scorer(config), "verify"), Replica(part, "propose")
-    grammars_sent = []
+    got = []  # (whole, carried a grammar) of every constrained row the replica was sent
     call = drafter.call
-    drafter.call = lambda rows, *rest: grammars_sent.append(sum(r.grammar is not None for r in rows)) or call(rows)
+    drafter.call = lambda rows, *rest: (
+        got.extend((r.start == 0, r.grammar is not None) for r in rows if r.key != reqs[2].id) or call(rows)
+    )
     tokenizer = load_tokenizer("tiny:0")
     eng = assemble_engine(
         config, RemoteScorer(Handle(target), len(tokenizer)), RemoteDrafter(Handle(drafter)), tokenizer
@@ -370,4 +374,8 @@ def test_a_remote_drafter_replica_drafts_under_the_grammar_sent_once():
             drafter.restart()  # forgets every row's tokens and grammar: they come whole again
     assert [r.generated for r in reqs] == [r.generated for r in local]
     assert [r.stats.grammar_cut for r in reqs] == [0, 0, 0]
-    assert grammars_sent[0] == 2 and sum(grammars_sent) == 4 and rounds > 4  # round 1 and after the restart
+    assert got[:2] == [(True, True)] * 2 and rounds > 4
+    assert all(whole == grammar for whole, grammar in got)  # with the whole rows only (round 1, after the restart)
+    assert 2 < sum(whole for whole, _ in got) < len(got) / 3
+    if draft_ahead:
+        assert reqs[0].stats.ahead_hits > 0 and reqs[1].stats.ahead_hits > 0
