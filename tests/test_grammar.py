@@ -110,7 +110,10 @@ def ar_under_a_schema() -> list[list[int]]:
     return [r.generated for r in engine().generate(PROMPTS[:2], LOSSLESS_BASE | dict(mode="ar"))]
 
 
-@pytest.mark.parametrize("params", [dict(mode="spd"), dict(mode="fly", theta=1.0), dict(mode="pld"), dict(k="auto")])
+@pytest.mark.parametrize(
+    "params",
+    [dict(mode="spd"), dict(mode="spd", mla=False), dict(mode="fly", theta=1.0), dict(mode="pld"), dict(k="auto")],
+)
 def test_lossless_modes_equal_ar_under_a_schema(params):
     got = engine().generate(PROMPTS[:2], LOSSLESS_BASE | dict(mode="spd") | params)
     assert [r.generated for r in got] == ar_under_a_schema()
@@ -264,16 +267,17 @@ def test_a_schema_with_draft_ahead_and_the_prefix_cache_gives_the_plain_engines_
     assert all(r.stats.grammar_cut == 0 for r in both)
 
 
-def recorded_drafts(eng) -> list[tuple[str, list[int], torch.Tensor | None, int]]:
+def recorded_drafts(eng) -> list[tuple[str, list[int], torch.Tensor | None, int, torch.Tensor | None]]:
     """What the engine's scorer is given from now on: per row and round (key, drafts, masks,
-    drafter forwards of the row). The real scorer still verifies."""
+    drafter forwards of the row, q). The real scorer still verifies."""
     seen, verify = [], eng.scorer.verify
 
     def recording(rows, drafts):
         n = len(rows)
         for b, (r, d) in enumerate(zip(rows, drafts.tokens)):
             masks = drafts.masks[b] if drafts.masks else None
-            seen.append((r.key, list(d), masks, drafts.row_forwards[b] if drafts.row_forwards else n))
+            forwards = drafts.row_forwards[b] if drafts.row_forwards else n
+            seen.append((r.key, list(d), masks, forwards, drafts.q[b]))
         return verify(rows, drafts)
 
     eng.scorer.verify = recording
@@ -305,12 +309,18 @@ def test_the_model_drafter_drafts_only_what_the_grammar_allows():
     for req, b in zip(reqs, base):
         assert valid(req.text, b["response_format"]["json_schema"]["schema"]), req.text
     model = {r.id for r, p in zip(reqs, params) if p["mode"] != "pld"}
-    drafted = [(d, m) for key, d, m, _ in seen if key in model and d]
+    drafted = [(d, m) for key, d, m, _, _ in seen if key in model and d]
     assert len(drafted) > 10 and all(all_legal(d, m) for d, m in drafted)
+    # a sampled draft's q is the masked distribution it was drawn from: nothing outside the grammar
+    sampled = [(d, m, q.to_dense()) for key, d, m, _, q in seen if q is not None and d]
+    assert sampled
+    for d, m, q in sampled:
+        allowed = unpack(m, 259)[: len(d)]
+        assert not (q > 0)[~allowed].any() and all(q[i, t] > 0 for i, t in enumerate(d))
     assert [r.stats.grammar_cut for r in reqs if r.id in model] == [0, 0, 0, 0]
     assert reqs[-1].stats.grammar_cut > 0  # the counter counts: prompt lookup's proposals are cut
     # without MLA a forward drafts one token, but forced ones (keys, quotes) ride along
-    plain = [(len(d), f) for key, d, _, f in seen if key == reqs[1].id and d]
+    plain = [(len(d), f) for key, d, _, f, _ in seen if key == reqs[1].id and d]
     assert sum(f for _, f in plain) < sum(n for n, _ in plain)
 
 
