@@ -23,7 +23,7 @@ import torch
 from ray import serve
 from ray.serve import metrics
 
-from fly_serve.build import load_drafter
+from fly_serve.build import grammars_for, load_drafter
 from fly_serve.config import EngineConfig
 from fly_serve.contracts import Drafts, Row
 from fly_serve.devices import device_for
@@ -71,6 +71,9 @@ class DrafterDeployment:
         self.probe_timeout_s = probe_timeout_s
         # the ingress checks that the drafter's tokenizer is the target's (build.assemble_engine)
         self.drafter = load_drafter(config, device=device_for(ray.get_gpu_ids()))  # Ray's GPU, else the CPU
+        # structured output: constrained rows drafted under their grammar (Row.grammar), with a
+        # matcher per row here; the ingress's engine keeps the authoritative one
+        self.drafter.share_grammars(grammars_for(config))
         self.history = RowHistory()  # rows come with the tokens not sent before (row_history.py)
         # ModelDrafter is not thread-safe; Serve may run several calls of one replica at once.
         self.lock = threading.Lock()

@@ -185,3 +185,6 @@ class RemoteDrafter:
 
     def share_sources(self, sources: dict) -> None:
         pass  # the engine's sources live in this process; a drafter replica keeps its own prompt lookup
+
+    def share_grammars(self, grammars) -> bool:
+        return True  # each replica drafts under a row's grammar with its own (build.grammars_for)

@@ -25,6 +25,7 @@ class Timed:
     verify_s: float
     decide_s: float
     first_loose_pos: int | None
+    grammar_cut: int = 0  # drafts cut because the request's grammar refused them (RequestStats)
 
     @property
     def tokens(self) -> int:
@@ -85,6 +86,7 @@ def timed(engine, prompts: list, params: dict | list[dict]) -> list[Timed]:
                 s.verify_s,
                 s.decide_s,
                 s.first_loose_pos,
+                grammar_cut=s.grammar_cut,
             )
         )
     return out

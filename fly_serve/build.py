@@ -10,6 +10,7 @@ from .contracts import Drafter, Scorer
 from .cost_calibration import calibrate_engine, calibration_key, model_name
 from .drafters import ModelDrafter
 from .engine import Engine
+from .grammar import Grammars
 from .head_cut import check_head_cut
 from .loading import eos_ids, load_config, load_model, load_tokenizer
 from .model_scorer import ModelScorer
@@ -68,6 +69,15 @@ def load_drafter(config: EngineConfig, device=None, progress=print) -> ModelDraf
         config.drafter, config.drafter_precision, progress=progress, head_cut=config.drafter_head_cut, device=device
     )
     return drafter_for(model, config, len(load_tokenizer(config.drafter, progress)))
+
+
+def grammars_for(config: EngineConfig, progress=print) -> Grammars:
+    """The grammar side of a drafter loaded alone (a drafter replica), as its engine's
+    (assemble_engine): the pair's tokenizer and the target's EOS ids, its tokenizer built now."""
+    tokenizer = load_tokenizer(config.target, progress)
+    grammars = Grammars(tokenizer, len(tokenizer), eos_ids(config.target, tokenizer))
+    grammars.warm()
+    return grammars
 
 
 def assemble_engine(

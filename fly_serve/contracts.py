@@ -13,6 +13,14 @@ from typing import Protocol
 import torch
 
 
+@dataclass(frozen=True)
+class RowGrammar:
+    """A constrained row's grammar, as a drafter needs it to draft only what it allows."""
+
+    text: str  # llguidance's grammar text (grammar.grammar_of)
+    start: int  # the sequence position its output begins at (the prompt's length)
+
+
 @dataclass
 class Row:
     key: str  # the request's id: names its KV-cache slot and its random generator
@@ -39,6 +47,9 @@ class Row:
     # The last `guessed` tokens are drafts not yet verified (a draft-ahead row carries this round's
     # drafts): a sender of row suffixes counts only the tokens before them as sent (row_history.py).
     guessed: int = 0
+    # Structured output: the row's grammar (None: unconstrained). A part in another process gets
+    # it with the row's whole tokens only (row_history.py keeps it with them), so it goes once.
+    grammar: RowGrammar | None = None
 
     @property
     def sampled(self) -> bool:
@@ -115,6 +126,12 @@ class Drafter(Protocol):
         """The engine's shared draft sources (its suffix index and token recycler), offered once
         at start: a drafter that proposes with MLA levels in this process takes them; one in
         another process (a remote drafter) keeps its own prompt lookup and ignores them."""
+
+    def share_grammars(self, grammars) -> bool:
+        """The engine's grammar side (grammar.Grammars: its llguidance tokenizer), offered once at
+        start. Returns whether the drafter drafts constrained rows under their grammar
+        (Row.grammar: greedy drafts legal, q the masked distribution); a remote one uses its
+        replica's own."""
 
 
 class Scorer(Protocol):

@@ -14,6 +14,12 @@ ModelDrafter  a small model with its own KV cache. With MLA (multi-level acceler
   likeliest-right source first (the row's own text, then earlier requests, then the recycled
   top-1 chain, which nearly always proposes something). The drafter verifies whichever it uses,
   so its output distribution, and the target's output, never depend on the source.
+  Structured output (a row with Row.grammar): the drafter drafts under the row's grammar, its
+  logits masked at every position by the grammar's state after the tokens drafted so far
+  (grammar.DraftMatchers), so greedy drafts are legal and a sampled draft's q is the masked
+  distribution it was drawn from. Where the grammar forces tokens (a schema's keys, quotes and
+  braces) they lead the forward's proposal: the mask leaves them the only choice, so the drafter
+  verifies them all in the forward that drafts the token after them.
   Draft-ahead (a row with Row.peek, draft_ahead.py): the drafter first takes its own next token
   (its argmax: no random draw) and drafts after it. Those drafts bet on the target's verdict;
   the row's random stream is snapshotted before them and rewound at its next call unless that
@@ -26,6 +32,7 @@ import torch
 
 from . import prompt_lookup
 from .contracts import Drafts, DraftSource, Row
+from .grammar import DraftMatchers, Grammars, Matcher, apply_masks
 from .runner import Runner
 from .sampling import Generators, probs, speculative_row, wire_q
 from .verify import decide, greedy_check, padded
@@ -55,6 +62,9 @@ class SourceDrafter:
 
     def share_sources(self, sources: dict[str, DraftSource]) -> None:
         pass  # one source of its own; no MLA levels
+
+    def share_grammars(self, grammars: Grammars) -> bool:
+        return False  # proposals as they come; the engine cuts them at the first refused token
 
 
 class LookupDrafter(SourceDrafter):
@@ -89,6 +99,7 @@ class ModelDrafter:
         # per sampling row drafted ahead: (its generator's state before, the tokens a later call
         # must start with for those draws to stand; None until the ahead call finished)
         self.bets: dict[str, tuple[torch.Tensor, list[int] | None]] = {}
+        self.matchers: DraftMatchers | None = None  # structured output (share_grammars)
         self.forwards = 0  # drafter forwards, all rows together, since start
         self.hits = 0  # rows whose KV cache this drafter already held (session affinity)
         self.misses = 0
@@ -108,6 +119,11 @@ class ModelDrafter:
         """Add (or replace) MLA sources by name, e.g. the engine's suffix index and recycler."""
         self.sources.update(sources)
 
+    def share_grammars(self, grammars: Grammars) -> bool:
+        """Draft constrained rows under their grammar, with this grammar side's tokenizer."""
+        self.matchers = DraftMatchers(grammars)
+        return True
+
     def propose(self, rows: list[Row]) -> Drafts:
         self._settle_bets(rows)
         cache = self.runner.cache
@@ -118,37 +134,55 @@ class ModelDrafter:
         # After a round whose drafts all passed, the drafter lacks d_K and the bonus token: a lag
         # of two, fed in the first drafting forward rather than a forward of its own.
         self.runner.catch_up([r.key for r in rows], [r.tokens for r in rows], max_lag=4)
-        guesses = None
-        if any(r.peek for r in rows):
-            rows, guesses = self._peek(rows)
-        drafts = [[] for _ in rows]
-        qs = [[] for _ in rows]
-        active = [b for b, r in enumerate(rows) if r.k > 0]
-        forwards, row_forwards = 0, [0] * len(rows)
-        while active:
-            unsure = self._step([rows[b] for b in active], [drafts[b] for b in active], [qs[b] for b in active])
-            for b in active:
-                row_forwards[b] += 1
-            active = [b for i, b in enumerate(active) if len(drafts[b]) < rows[b].k and i not in unsure]
-            forwards += 1
-        q = [wire_q(torch.stack(q)) if rows[b].sampled else None for b, q in enumerate(qs)]  # [n, V] each
+        matchers = [self.matchers.at(r) if self.matchers else None for r in rows]
+        try:
+            rows, guesses, drafts, qs, forwards, row_forwards = self._draft(rows, matchers)
+        finally:  # each matcher back at its row's committed tokens
+            for m in matchers:
+                if m is not None:
+                    m.pop()
+        q = [wire_q(torch.stack(q)) if rows[b].sampled and q else None for b, q in enumerate(qs)]  # [n, V]
         for b, g in enumerate(guesses or []):
             if g is not None and rows[b].key in self.bets:  # the bet stands if a later call continues it
                 self.bets[rows[b].key] = (self.bets[rows[b].key][0], rows[b].tokens)
         hits = self.runner.cache.take_hits([r.key for r in rows])  # prefill the prefix cache saved
         return Drafts(drafts, q, forwards, row_forwards, guesses=guesses, prefix_hit_tokens=hits)
 
-    def _peek(self, rows: list[Row]) -> tuple[list[Row], list[int | None]]:
+    def _draft(self, rows: list[Row], matchers: list[Matcher | None]):
+        """The drafting forwards of a call: (rows, guesses, drafts, qs, forwards, row_forwards)."""
+        guesses = None
+        if any(r.peek for r in rows):
+            rows, guesses = self._peek(rows, matchers)
+        drafts = [[] for _ in rows]
+        qs = [[] for _ in rows]
+        active = [b for b, r in enumerate(rows) if r.k > 0]
+        forwards, row_forwards = 0, [0] * len(rows)
+        while active:
+            ms = [matchers[b] for b in active]
+            stop = self._step([rows[b] for b in active], [drafts[b] for b in active], [qs[b] for b in active], ms)
+            for b in active:
+                row_forwards[b] += 1
+            active = [b for i, b in enumerate(active) if len(drafts[b]) < rows[b].k and i not in stop]
+            forwards += 1
+        return rows, guesses, drafts, qs, forwards, row_forwards
+
+    def _peek(self, rows: list[Row], matchers: list[Matcher | None]) -> tuple[list[Row], list[int | None]]:
         """Each peeking row's tokens extended by the drafter's own next token, in one batched
         forward. Its argmax: the likeliest value of the target's bonus token, and no draw from the
-        row's stream. A sampling row's stream is snapshotted here, before the drafts of the bet."""
+        row's stream; a constrained row's among what its grammar allows (its matcher then takes
+        it; after an EOS the row drafts nothing). A sampling row's stream is snapshotted here,
+        before the drafts of the bet."""
         idx = [b for b, r in enumerate(rows) if r.peek]
         logits, _ = self.runner.feed([rows[b].key for b in idx], [rows[b].tokens for b in idx], tail=[1] * len(idx))
         self.forwards += 1
-        nxt = logits[:, 0, : self.vocab_size].argmax(-1).tolist()  # [len(idx)]
+        logits = logits[:, :1, : self.vocab_size]  # [len(idx), 1, V]
+        if any(matchers[b] for b in idx):
+            apply_masks(logits, [matchers[b].mask()[None] if matchers[b] else None for b in idx])
+        nxt = logits[:, 0].argmax(-1).tolist()  # [len(idx)]
         out, guesses = list(rows), [None] * len(rows)
         for b, t in zip(idx, nxt):
-            guesses[b], out[b] = t, replace(rows[b], tokens=rows[b].tokens + [t], peek=False)
+            k = rows[b].k if matchers[b] is None or matchers[b].push([t]) else 0
+            guesses[b], out[b] = t, replace(rows[b], tokens=rows[b].tokens + [t], peek=False, k=k)
             if rows[b].sampled:
                 self.bets[rows[b].key] = (self.generators.get(rows[b]).get_state(), None)
         return out, guesses
@@ -167,16 +201,26 @@ class ModelDrafter:
             if guess is None or len(r.tokens) <= len(guess) or r.tokens[: len(guess)] != guess:
                 self.generators.get(r).set_state(state)
 
-    def _step(self, rows: list[Row], drafts: list[list[int]], qs: list[list]) -> set[int]:
+    def _step(
+        self, rows: list[Row], drafts: list[list[int]], qs: list[list], matchers: list[Matcher | None]
+    ) -> set[int]:
         """One batched drafter forward: each row feeds its last token plus a lookup proposal and
         keeps the proposal's verified prefix and the drafter's next token (extends drafts, qs).
-        Returns the rows whose new token fell below min_confidence."""
+        A constrained row's logits are masked by its grammar along the proposal, and its matcher
+        takes the tokens kept. Returns the rows that stop: their new token fell below
+        min_confidence, or a constrained row drafted EOS."""
         contexts = [r.tokens + d for r, d in zip(rows, drafts)]
-        proposals = [self._mla_proposal(r, c, r.k - len(d) - 1) for c, r, d in zip(contexts, rows, drafts)]
+        proposals, masks = [], []
+        for c, r, d, m in zip(contexts, rows, drafts, matchers):
+            p, mask = self._proposal(r, c, r.k - len(d) - 1, m)
+            proposals.append(p)
+            masks.append(mask)
         logits, _ = self.runner.feed(
             [r.key for r in rows], [c + p for c, p in zip(contexts, proposals)], tail=[1 + len(p) for p in proposals]
         )
         logits = logits[..., : self.vocab_size]
+        if any(m is not None for m in masks):  # every later read (argmax, q, confidence) is the masked one
+            apply_masks(logits, masks)
         self.forwards += 1
         proposed, n = padded(proposals)
         ok, y = greedy_check(logits, proposed, n)
@@ -196,9 +240,25 @@ class ModelDrafter:
             new = proposals[b][:a] + [int(y[b, a])]
             room = r.k - len(drafts[b])
             drafts[b].extend(new[:room])
+            if matchers[b] is not None and matchers[b].push(new[:room]) < len(new[:room]):
+                unsure.add(b)  # an EOS (the mask allows nothing else it could refuse): nothing follows
             if r.sampled:  # q goes to the verifier, maybe through Ray: host memory is its wire format
                 qs[b].extend(probs(logits[b, : min(a + 1, room)], r.temperature, r.top_p).cpu())
         return unsure
+
+    def _proposal(
+        self, row: Row, context: list[int], room: int, m: Matcher | None
+    ) -> tuple[list[int], torch.Tensor | None]:
+        """A forward's proposal and, for a constrained row, its grammar's masks at the positions
+        0..len fed [len + 1, W]: the tokens the grammar forces, then the MLA proposal after them,
+        cut before the first token the grammar refuses (or an EOS: nothing is drafted after one)."""
+        if m is None:
+            return self._mla_proposal(row, context, room), None
+        forced = m.forced()[: max(room, 0)]
+        proposal = forced + self._mla_proposal(row, context + forced, room - len(forced))
+        end = next((i for i, t in enumerate(proposal) if t in m.eos_ids), len(proposal))
+        legal, masks = m.plan(proposal[:end])
+        return proposal[:legal], masks[: legal + 1]
 
     def _mla_proposal(self, row: Row, context: list[int], room: int) -> list[int]:
         """Up to `room` tokens from the row's first MLA source that proposes any (module docstring)."""
@@ -214,5 +274,7 @@ class ModelDrafter:
     def release(self, keys: list[str]) -> None:
         self.runner.release(keys)
         self.generators.release(keys)
+        if self.matchers is not None:
+            self.matchers.release(keys)
         for key in keys:
             self.bets.pop(key, None)

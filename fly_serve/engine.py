@@ -29,7 +29,7 @@ import torch
 
 from . import prompts
 from .allocator import RowInfo
-from .contracts import Drafter, Drafts, RoundResult, Row, Scorer
+from .contracts import Drafter, Drafts, RoundResult, Row, RowGrammar, Scorer
 from .detokenizer import IncrementalText, find_stop, held_back
 from .draft_ahead import Ahead, Stages, bets
 from .drafters import LookupDrafter, SourceDrafter
@@ -60,6 +60,12 @@ def _spread(per_row: list[int] | None, n_rows: int, idx: list[int], values: list
     for i, b in enumerate(idx):
         per_row[b] = values[i]
     return per_row
+
+
+def _all_legal(drafts: Drafts, b: int) -> bool:
+    """Row b's drafts all allowed by its grammar: its masks cover them all and the position after
+    (_constrain; Matcher.plan)."""
+    return drafts.masks is None or drafts.masks[b] is None or drafts.masks[b].shape[0] == len(drafts.tokens[b]) + 1
 
 
 def kv_need(n_prompt: int, params: Params) -> int:
@@ -130,6 +136,10 @@ class Engine:
             drafter.share_sources({"suffix": self.suffix_index, "recycle": self.recycler})
         self.eos_ids = set(eos_ids)
         self.grammars = Grammars(tokenizer, scorer.vocab_size, self.eos_ids)  # structured output
+        # whether the model drafter drafts under a row's grammar (its drafts then legal, so a
+        # constrained row may bet under draft-ahead); a drafter without the method does not
+        share = getattr(drafter, "share_grammars", None)
+        self.drafter_sees_grammar = bool(share and share(self.grammars))
         self.max_batch, self.max_model_len = max_batch, max_model_len
         self.defaults = defaults or Params()
         # k "auto": the round's cost model (measured where it runs: cost_calibration.py) and each
@@ -381,9 +391,10 @@ class Engine:
         for b, (req, row) in enumerate(zip(batch, rows)):
             d = drafts.tokens[b]
             k = self._next_k(req, row.k, len(d) + 1)
-            # A constrained row does not bet: the drafter does not see the grammar, so wherever the
-            # grammar forces a token its own next token (the guess) is the refused one.
-            free = req.matcher is None
+            # A constrained row bets only with a drafter that drafts under its grammar (its guess is
+            # then a token the grammar allows) and drafts all legal: a sampled refused draft, kept
+            # for its rejection (_constrain), is sure to lose the bet.
+            free = req.matcher is None or (self.drafter_sees_grammar and _all_legal(drafts, b))
             if k > 0 and free and bets(row, req.params.mode_spec.drafter) and not self.eos_ids.intersection(d):
                 idx.append(b)
                 bet_rows.append(replace(row, tokens=row.tokens + d, k=k, peek=True, guessed=len(d)))
@@ -455,8 +466,19 @@ class Engine:
         k = 0 if p.mode_spec.drafter is None else max(0, min(p.k_cap, room))
         entropy = p.entropy if p.mode_spec.loose and p.theta < 1 else None
         rho = float(p.rho) if entropy else 0.0
+        grammar = RowGrammar(req.matcher.text, req.n_prompt) if req.matcher is not None else None
         return Row(
-            req.id, req.tokens, k, p.mla, p.temperature, p.top_p, p.seed, entropy, rho=rho, mla_sources=p.mla_levels
+            req.id,
+            req.tokens,
+            k,
+            p.mla,
+            p.temperature,
+            p.top_p,
+            p.seed,
+            entropy,
+            rho=rho,
+            mla_sources=p.mla_levels,
+            grammar=grammar,
         )
 
     def _draft(self, batch: list[Request], rows: list[Row], held: list[Ahead | None]) -> tuple[Drafts, bool]:
@@ -514,6 +536,7 @@ class Engine:
             d, q = drafts.tokens[b], drafts.q[b]
             legal, masks = req.matcher.plan(d)
             keep = legal + 1 if legal < len(d) and q is not None else legal
+            req.stats.grammar_cut += len(d) - legal  # drafts the grammar refused (and those after them)
             drafts.tokens[b] = d[:keep]
             if q is not None and keep < q.shape[0]:
                 drafts.q[b] = q.narrow_copy(0, 0, keep)

@@ -16,6 +16,7 @@ xgrammar pulls triton (docs/BENCHMARKS.md, "Structured output").
 
 import json
 import logging
+from collections import OrderedDict
 
 import llguidance
 import llguidance.hf
@@ -108,7 +109,8 @@ class Matcher:
         self.m = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
         if self.m.is_error():
             raise ParamError("grammar", self.m.get_error())
-        self.eos_ids = eos_ids
+        self.text, self.eos_ids = grammar, eos_ids
+        self.pushed = 0  # tokens consumed tentatively (push), undone by pop
 
     def accept(self, tokens: list[int]) -> None:
         """Commit tokens (already allowed by the masks); EOS ends the sequence, it is not fed."""
@@ -143,6 +145,25 @@ class Matcher:
             masks.append(self.mask())
         self.m.rollback(legal - (1 if legal and drafts[legal - 1] in self.eos_ids else 0))
         return legal, torch.stack(masks)
+
+    def forced(self) -> list[int]:
+        """The tokens the grammar forces next (keys, quotes, braces of a schema), [] when it
+        leaves a choice."""
+        return list(self.m.compute_ff_tokens())
+
+    def push(self, tokens: list[int]) -> int:
+        """Consume tokens tentatively (a drafter's drafts), up to the first one the grammar refuses
+        or an EOS (never fed); returns how many it consumed. `pop` undoes every push."""
+        end = next((i for i, t in enumerate(tokens) if t in self.eos_ids), len(tokens))
+        n = self.m.validate_tokens(tokens[:end]) if end else 0
+        if n and not self.m.consume_tokens(tokens[:n]):
+            raise RuntimeError(f"grammar refused a validated token: {self.m.get_error()}")
+        self.pushed += n
+        return n
+
+    def pop(self) -> None:
+        self.m.rollback(self.pushed)
+        self.pushed = 0
 
 
 class Grammars:
@@ -184,3 +205,43 @@ class Grammars:
             raise ParamError(name, f"refused by the grammar library: {e.message}") from None
         except ValueError as e:  # llguidance raises on a grammar it cannot build for this tokenizer
             raise ParamError(name, f"refused by the grammar library: {e}") from None
+
+
+class DraftMatchers:
+    """A drafter's side of structured output: a Matcher per constrained row (Row.grammar), kept
+    at the row's committed tokens (all but its guessed tail, Row.guessed) and built on the row's
+    first call here. The engine's matcher stays the authoritative one (it cuts every draft it is
+    given); this one only steers the drafter, so a row it cannot follow drafts unmasked."""
+
+    def __init__(self, grammars: Grammars, max_rows: int = 1024):
+        self.grammars, self.max_rows = grammars, max_rows
+        self.by_key: OrderedDict[str, tuple[Matcher, int]] = OrderedDict()  # key -> (matcher, tokens fed up to)
+
+    def at(self, row) -> Matcher | None:
+        """The row's matcher after its committed tokens, its guessed tail pushed (pop undoes it);
+        None: unconstrained, or a tail the grammar refuses (a sampled refused draft: that bet
+        cannot win), or a grammar this side cannot follow."""
+        if row.grammar is None:
+            return None
+        committed = len(row.tokens) - row.guessed
+        held = self.by_key.pop(row.key, None)
+        try:
+            if held is None or held[0].text != row.grammar.text or held[1] > committed:
+                held = (Matcher(self.grammars.tokenizer, row.grammar.text, self.grammars.eos_ids), row.grammar.start)
+            m = held[0]
+            m.accept(row.tokens[held[1] : committed])
+        except Exception:  # a part that cannot follow the row drafts it unmasked; the engine cuts
+            log.warning("drafter: row %s's grammar not followed; drafting it unmasked", row.key, exc_info=True)
+            return None
+        self.by_key[row.key] = (m, committed)
+        while len(self.by_key) > self.max_rows:  # a lost release costs a rebuild, never memory without end
+            self.by_key.popitem(last=False)
+        tail = row.tokens[committed:]
+        if m.push(tail) < len(tail):
+            m.pop()
+            return None
+        return m
+
+    def release(self, keys: list[str]) -> None:
+        for key in keys:
+            self.by_key.pop(key, None)

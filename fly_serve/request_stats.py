@@ -29,6 +29,9 @@ class RequestStats:
     # prompt tokens taken from the prefix cache instead of prefilled (kv_cache.py): target, drafter
     prefix_hit_tokens: int = 0
     draft_prefix_hit_tokens: int = 0
+    # structured output: drafts the engine cut because the grammar refused them (or a draft before
+    # them); a drafter that drafts under the grammar leaves only model-free proposals to cut
+    grammar_cut: int = 0
 
     def add_round(self, drafted: int, accepted: int, loosely: int, round_) -> None:
         """Count one round: `accepted` exact and `loosely` kept of `drafted` drafts; round_ gives

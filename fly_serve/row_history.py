@@ -7,13 +7,14 @@ what it holds. A receiver that does not hold the first `start` tokens (a new or 
 replica, a row moved to another drafter replica, a call that failed halfway) refuses the call
 with `RowsUnknown`, and the sender sends those rows whole. What the parts then do with the full
 rows is unchanged: the KV cache's content-addressed rule (kv_cache.py) stays the one rule, so a
-row put back together is exactly the row that would have been sent whole.
+row put back together is exactly the row that would have been sent whole. A constrained row's
+grammar (Row.grammar) travels the same way: with the row's whole tokens only, kept with them.
 """
 
 from collections import OrderedDict
 from dataclasses import replace
 
-from .contracts import Row
+from .contracts import Row, RowGrammar
 
 
 class RowsUnknown(LookupError):
@@ -42,6 +43,7 @@ class RowHistory:
     def __init__(self, max_rows: int = 1024):
         self.max_rows = max_rows
         self._tokens: OrderedDict[str, list[int]] = OrderedDict()
+        self._grammars: dict[str, RowGrammar] = {}  # the constrained rows' grammars, as sent whole
 
     def whole(self, rows: list[Row]) -> list[Row]:
         """The rows with all their tokens; raises RowsUnknown (holding nothing new) if any is
@@ -56,14 +58,19 @@ class RowHistory:
             tokens = self._tokens[r.key][: r.start] + r.tokens if r.start else list(r.tokens)
             self._tokens[r.key] = tokens
             self._tokens.move_to_end(r.key)
-            out.append(replace(r, tokens=tokens, start=0))
+            if not r.start:  # sent whole: its grammar (or none) came with it
+                self._grammars.pop(r.key, None)
+                if r.grammar is not None:
+                    self._grammars[r.key] = r.grammar
+            out.append(replace(r, tokens=tokens, start=0, grammar=r.grammar or self._grammars.get(r.key)))
         while len(self._tokens) > self.max_rows:
-            self._tokens.popitem(last=False)
+            self._grammars.pop(self._tokens.popitem(last=False)[0], None)
         return out
 
     def release(self, keys: list[str]) -> None:
         for k in keys:
             self._tokens.pop(k, None)
+            self._grammars.pop(k, None)
 
 
 class RowSender:
@@ -78,7 +85,9 @@ class RowSender:
         out = []
         for r in rows:
             start = self._sent.get(r.key, 0)
-            out.append(replace(r, tokens=r.tokens[start:], start=start) if 0 < start <= len(r.tokens) else r)
+            if 0 < start <= len(r.tokens):  # without the grammar: the receiver holds it from the whole call
+                r = replace(r, tokens=r.tokens[start:], start=start, grammar=None)
+            out.append(r)
         return out
 
     def sent(self, rows: list[Row]) -> None:

@@ -11,10 +11,13 @@ from dataclasses import replace
 import jsonschema
 import pytest
 import torch
+from test_row_history import Handle, Replica
 
-from fly_serve.build import build_engine
-from fly_serve.contracts import Drafts, Row
-from fly_serve.grammar import Grammars, unpack
+from deployments.remote_parts import RemoteDrafter, RemoteScorer
+from fly_serve.build import EngineConfig, assemble_engine, build_engine, grammars_for, load_drafter, load_scorer
+from fly_serve.contracts import Drafts, Row, RowGrammar
+from fly_serve.grammar import DraftMatchers, Grammars, unpack
+from fly_serve.loading import load_tokenizer
 from fly_serve.params import ParamError, Params
 from fly_serve.tiny import tiny_model, tiny_tokenizer
 
@@ -107,7 +110,10 @@ def ar_under_a_schema() -> list[list[int]]:
     return [r.generated for r in engine().generate(PROMPTS[:2], LOSSLESS_BASE | dict(mode="ar"))]
 
 
-@pytest.mark.parametrize("params", [dict(mode="spd"), dict(mode="fly", theta=1.0), dict(mode="pld"), dict(k="auto")])
+@pytest.mark.parametrize(
+    "params",
+    [dict(mode="spd"), dict(mode="spd", mla=False), dict(mode="fly", theta=1.0), dict(mode="pld"), dict(k="auto")],
+)
 def test_lossless_modes_equal_ar_under_a_schema(params):
     got = engine().generate(PROMPTS[:2], LOSSLESS_BASE | dict(mode="spd") | params)
     assert [r.generated for r in got] == ar_under_a_schema()
@@ -255,6 +261,131 @@ def test_a_schema_with_draft_ahead_and_the_prefix_cache_gives_the_plain_engines_
         if "response_format" in p:
             assert valid(req.text, p["response_format"]["json_schema"]["schema"]), req.text
     assert sum(r.stats.prefix_hit_tokens for r in both) > 0
-    # free rows bet; constrained rows do not (the drafter does not see the grammar: engine._draft_ahead)
-    bets = [r.stats.ahead_hits + r.stats.ahead_misses for r in both]
-    assert bets[2] > 0 and [b for b, p in zip(bets, params) if "response_format" in p] == [0, 0, 0]
+    # constrained rows bet too: the drafter drafts under their grammar (engine._draft_ahead)
+    assert all(r.stats.ahead_hits + r.stats.ahead_misses > 0 for r in both)
+    assert all(r.stats.ahead_hits > 0 for r, p in zip(both, params) if "response_format" in p and "seed" not in p)
+    assert all(r.stats.grammar_cut == 0 for r in both)
+
+
+def recorded_drafts(eng) -> list[tuple[str, list[int], torch.Tensor | None, int, torch.Tensor | None]]:
+    """What the engine's scorer is given from now on: per row and round (key, drafts, masks,
+    drafter forwards of the row, q). The real scorer still verifies."""
+    seen, verify = [], eng.scorer.verify
+
+    def recording(rows, drafts):
+        n = len(rows)
+        for b, (r, d) in enumerate(zip(rows, drafts.tokens)):
+            masks = drafts.masks[b] if drafts.masks else None
+            forwards = drafts.row_forwards[b] if drafts.row_forwards else n
+            seen.append((r.key, list(d), masks, forwards, drafts.q[b]))
+        return verify(rows, drafts)
+
+    eng.scorer.verify = recording
+    return seen
+
+
+def all_legal(drafts: list[int], masks: torch.Tensor | None) -> bool:
+    if masks is None or not drafts:
+        return True
+    allowed = unpack(masks, 259)
+    return masks.shape[0] >= len(drafts) and all(bool(allowed[i, t]) for i, t in enumerate(drafts))
+
+
+def test_the_model_drafter_drafts_only_what_the_grammar_allows():
+    """The drafter drafts under the grammar: every draft a model-drafter row gives the scorer is
+    one the grammar allows (the engine cuts none), greedy and sampled, with MLA and without; the
+    tokens the grammar forces are drafted several a forward; prompt lookup is still cut."""
+    eng = engine()
+    seen = recorded_drafts(eng)
+    params = [
+        dict(mode="spd", k=4),
+        dict(mode="fly", k=5, theta=0.0, window=1, mla=False),
+        dict(mode="spd", k=4, temperature=0.9, seed=2),
+        dict(mode="fly", k="auto", temperature=0.7, seed=3, mla=False),
+        dict(mode="pld", k=4),
+    ]
+    base = [dict(max_tokens=120, response_format=rf(SCHEMAS[i % 2])) for i in range(len(params))]
+    reqs = eng.generate([PROMPTS[i % 3] for i in range(len(params))], [b | p for b, p in zip(base, params)])
+    for req, b in zip(reqs, base):
+        assert valid(req.text, b["response_format"]["json_schema"]["schema"]), req.text
+    model = {r.id for r, p in zip(reqs, params) if p["mode"] != "pld"}
+    drafted = [(d, m) for key, d, m, _, _ in seen if key in model and d]
+    assert len(drafted) > 10 and all(all_legal(d, m) for d, m in drafted)
+    # a sampled draft's q is the masked distribution it was drawn from: nothing outside the grammar
+    sampled = [(d, m, q.to_dense()) for key, d, m, _, q in seen if q is not None and d]
+    assert sampled
+    for d, m, q in sampled:
+        allowed = unpack(m, 259)[: len(d)]
+        assert not (q > 0)[~allowed].any() and all(q[i, t] > 0 for i, t in enumerate(d))
+    assert [r.stats.grammar_cut for r in reqs if r.id in model] == [0, 0, 0, 0]
+    assert reqs[-1].stats.grammar_cut > 0  # the counter counts: prompt lookup's proposals are cut
+    # without MLA a forward drafts one token, but forced ones (keys, quotes) ride along
+    plain = [(len(d), f) for key, d, _, f, _ in seen if key == reqs[1].id and d]
+    assert sum(f for _, f in plain) < sum(n for n, _ in plain)
+
+
+def test_draft_matchers_follow_the_committed_tokens_and_roll_drafts_back():
+    grammars = Grammars(tiny_tokenizer(), 259, {EOS})
+    text = grammars.matcher(Params(regex="ab+c")).text
+    matchers = DraftMatchers(grammars)
+    a, b, c, x = (ord(ch) for ch in "abcx")
+    prompt = [1, 2]
+    row = Row("r", prompt + [a, b], grammar=RowGrammar(text, len(prompt)))
+    m = matchers.at(row)
+    assert unpack(m.mask(), 259).nonzero().flatten().tolist() == [b, c]
+    assert m.push([b, c, EOS]) == 2 and m.forced() == [] and m.done  # EOS is never fed
+    m.pop()
+    guessed = replace(row, tokens=row.tokens + [b], guessed=1)  # a bet's tail: pushed, not committed
+    m = matchers.at(guessed)
+    assert m.pushed == 1
+    m.pop()
+    assert matchers.at(replace(row, tokens=row.tokens + [x], guessed=1)) is None  # a refused tail: no bet
+    m = matchers.at(replace(row, tokens=prompt + [a]))  # behind what it fed (never in use): built again
+    assert unpack(m.mask(), 259).nonzero().flatten().tolist() == [b]
+    m.pop()
+    assert matchers.at(replace(row, grammar=None)) is None
+    matchers.release(["r"])
+    assert not matchers.by_key
+
+
+@pytest.mark.parametrize("draft_ahead", [False, True])
+def test_a_remote_drafter_replica_drafts_under_the_grammar_sent_once(draft_ahead):
+    """The drafter as its replica holds it (a RowHistory in front, its own grammar side, no Ray):
+    the in-process engine's tokens, no draft cut, the grammar in a row's whole calls only, and
+    a replica that restarts mid-generation gets it again. With draft-ahead the constrained rows
+    bet (their guessed tails pushed on the replica's matchers, never committed there) and win."""
+    config = EngineConfig(target="tiny:0", drafter="tiny:1", max_model_len=512, draft_ahead=draft_ahead)
+    params = [
+        dict(mode="spd", k=4, max_tokens=100, response_format=rf(SCHEMAS[0])),
+        dict(mode="fly", k=4, theta=0.0, window=1, max_tokens=100, response_format=rf(SCHEMAS[1])),
+        dict(mode="spd", k=3, max_tokens=12),
+    ]
+    prompts = PROMPTS
+    local = build_engine("tiny:0", "tiny:1", max_model_len=512).generate(prompts, params)
+
+    part = load_drafter(config)
+    part.share_grammars(grammars_for(config))
+    target, drafter = Replica(load_scorer(config), "verify"), Replica(part, "propose")
+    got = []  # (whole, carried a grammar) of every constrained row the replica was sent
+    call = drafter.call
+    drafter.call = lambda rows, *rest: (
+        got.extend((r.start == 0, r.grammar is not None) for r in rows if r.key != reqs[2].id) or call(rows)
+    )
+    tokenizer = load_tokenizer("tiny:0")
+    eng = assemble_engine(
+        config, RemoteScorer(Handle(target), len(tokenizer)), RemoteDrafter(Handle(drafter)), tokenizer
+    )
+    reqs = [eng.add(p, q) for p, q in zip(prompts, params)]
+    rounds = 0
+    while not all(r.finished for r in reqs):
+        eng.step()
+        rounds += 1
+        if rounds == 3:
+            drafter.restart()  # forgets every row's tokens and grammar: they come whole again
+    assert [r.generated for r in reqs] == [r.generated for r in local]
+    assert [r.stats.grammar_cut for r in reqs] == [0, 0, 0]
+    assert got[:2] == [(True, True)] * 2 and rounds > 4
+    assert all(whole == grammar for whole, grammar in got)  # with the whole rows only (round 1, after the restart)
+    assert 2 < sum(whole for whole, _ in got) < len(got) / 3
+    if draft_ahead:
+        assert reqs[0].stats.ahead_hits > 0 and reqs[1].stats.ahead_hits > 0

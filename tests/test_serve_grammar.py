@@ -11,6 +11,8 @@ import pytest
 import requests
 from serve_fixture import start_serve, stop_serve
 
+from fly_serve.build import build_engine
+
 pytestmark = pytest.mark.serve
 
 APP = {"tiny": True, "max_batch": 8, "defaults": {"max_tokens": 24}}
@@ -68,6 +70,20 @@ def test_json_object_streamed_and_through_the_openai_client(url):
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
     out = client.chat.completions.create(model="tiny:0", messages=MESSAGES, response_format=RF, max_tokens=100)
     jsonschema.validate(json.loads(out.choices[0].message.content), SCHEMA)
+
+
+@pytest.mark.parametrize("fly", [{"mode": "spd", "k": 4}, {"mode": "fly", "k": 5, "theta": 0.0, "window": 1}])
+def test_the_drafter_replica_drafts_under_the_grammar(url, fly):
+    """APP's drafter is a replica (drafter_placement "replica"): it gets a constrained row's
+    grammar with the row's first call and drafts under it, so a greedy request gives the
+    in-process engine's tokens and the engine cuts none of its drafts."""
+    engine = build_engine("tiny:0", "tiny:1", max_model_len=1024)
+    want = engine.generate(["{"], [{"max_tokens": 100, "response_format": RF, **fly}])[0]
+    r = post(url, "completions", prompt="{", response_format=RF, max_tokens=100, temperature=0.0, fly=fly)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["choices"][0]["text"] == want.text and want.stats.grammar_cut == 0
+    assert body["fly"]["grammar_cut"] == 0 and body["fly"]["drafted"] > 0
 
 
 def test_regex_and_grammar_in_the_fly_object(url):

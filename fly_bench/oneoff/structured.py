@@ -115,7 +115,7 @@ def run_mode(engine, tok, cases, mode: str, constrained: bool, args) -> dict:
     base = dict(mode=mode, max_tokens=args.max_tokens, temperature=args.temperature)
     if mode != "ar":
         base["k"] = args.k
-    tokens = wall = invalid = truncated = drafted = accepted = 0
+    tokens = wall = invalid = truncated = drafted = accepted = cut = 0
     texts = set()  # distinct outputs: at T = 0 the requests of one (schema, topic) repeat
     for start in range(0, len(cases), args.batch):
         chunk = cases[start : start + args.batch]
@@ -132,7 +132,7 @@ def run_mode(engine, tok, cases, mode: str, constrained: bool, args) -> dict:
         ]
         for (s, _), t in zip(chunk, timed(engine, prompts, params)):
             tokens, wall = tokens + t.tokens, wall + t.wall_s
-            drafted, accepted = drafted + t.drafted, accepted + t.accepted
+            drafted, accepted, cut = drafted + t.drafted, accepted + t.accepted, cut + t.grammar_cut
             truncated += t.finish_reason == "length"
             invalid += not is_valid(t.text, SCHEMAS[s])
             texts.add(t.text)
@@ -147,6 +147,7 @@ def run_mode(engine, tok, cases, mode: str, constrained: bool, args) -> dict:
         tokens=tokens,
         tok_s=round(tokens / wall, 2) if wall else 0.0,
         acceptance=round(accepted / drafted, 3) if drafted else None,
+        grammar_cut=cut,  # drafts the grammar refused: a drafter under the grammar leaves none of its own
     )
 
 
