@@ -18,7 +18,9 @@ loads (`pick_group`) keeps one hot prefix from taking every row: past (1 + LOAD_
 mean load (+ 1), a row falls to the next group in its own ranking (the least loaded in the limit).
 
 The same router pins serving units: ingress replica r tags its target calls "g<r>", so each
-ingress replica talks to its own target replica (no shared KV slot pool).
+ingress replica talks to its own target replica (no shared KV slot pool). Which unit an HTTP
+request meets is unit_router.py's choice, by the same rendezvous + bounded-load rule
+(`pick_bounded`) over the units' replica ids, keyed by the request's session id.
 
 BusyPolicy scales the drafter pool on what a drafter really sees: the fraction of wall time its
 model was busy (record_autoscaling_stats in drafter_replica.py), not ongoing requests, which the
