@@ -10,6 +10,7 @@ from .drafter_replica import DrafterDeployment
 from .ingress import Ingress
 from .placement import TP_STRATEGY, tp_bundles
 from .target_replica import TargetDeployment
+from .unit_router import router_config
 
 __all__ = ["AppArgs", "build"]
 
@@ -21,7 +22,11 @@ def build(args: AppArgs | dict | None = None) -> Application:
     if config.drafter and a.drafter_placement == "replica":
         drafter_app = bind_drafter(a)
     # Serve sheds with a plain-text 503 of its own: it is given room enough that ours sheds first.
-    ingress = Ingress.options(**serve_limits(a.max_batch, a.max_waiting), num_replicas=a.units)
+    # The proxy routes by X-Session-Id to the unit holding the conversation (unit_router.py); set
+    # with one unit too, so that one code path serves every profile.
+    ingress = Ingress.options(
+        **serve_limits(a.max_batch, a.max_waiting), num_replicas=a.units, request_router_config=router_config()
+    )
     return ingress.bind(bind_target(a), drafter_app, args=a)
 
 

@@ -54,6 +54,7 @@ from .request_ids import Ids
 from .sse import events
 from .threads import serve_at_priority, threads_from_ray
 from .tokenization import PromptEncoder
+from .unit_router import STATUS
 
 api = FastAPI(title="fly-serve")
 api.add_middleware(RequestMiddleware)
@@ -107,10 +108,12 @@ class Ingress:
         )
         self.metrics = ServingMetrics()
         self.errors = ErrorAnswers(self.metrics)
-        api.state.fly = Guard(resolve_api_key(args.api_key.get_secret_value() if args.api_key else None), self.errors)
         # This unit's target calls are tagged with its rank, so each ingress replica keeps its own target.
         ctx = serve.get_replica_context()
-        target_handle = target_handle.options(multiplexed_model_id=group_tag(unit_rank(ctx)))
+        unit = unit_rank(ctx)
+        api_key = resolve_api_key(args.api_key.get_secret_value() if args.api_key else None)
+        api.state.fly = Guard(api_key, self.errors, unit)
+        target_handle = target_handle.options(multiplexed_model_id=group_tag(unit))
         tokenizer = load_tokenizer(config.target)
         scorer = RemoteScorer(target_handle, len(tokenizer), args.call_timeout_s)
         self.drafter_handle, self.local_drafter = drafter_handle, None
@@ -158,6 +161,11 @@ class Ingress:
         (a replacement would cut the requests being drained)."""
         if problem := self.loop.problem():
             raise RuntimeError(problem)
+
+    def record_routing_stats(self) -> dict:
+        """What the HTTP proxy's router (unit_router.py) reads of this unit, every few seconds:
+        a unit that is not ready gets no new sessions while another is."""
+        return {STATUS: self._state()[0]}
 
     async def drain(self) -> int:
         """Stop admitting: new generations get 503 (code "draining", Retry-After), /healthz 503,

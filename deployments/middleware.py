@@ -2,7 +2,8 @@
 routes, so that the handlers are left with routing and streaming). One pure ASGI layer, run
 before any handler:
 
-- names the request (request_ids.Ids, in `request.state.ids`) and puts its id in X-Request-Id;
+- names the request (request_ids.Ids, in `request.state.ids`) and puts its id in X-Request-Id,
+  and the serving unit that answers in X-Fly-Unit;
 - refuses a /v1 request without the API key (401);
 - turns whatever a handler raises before its response starts into an OpenAI error body with the
   id to quote (errors.ErrorAnswers, which also counts the failure metric).
@@ -45,6 +46,7 @@ def authorized(header: str | None, key: bytes | None) -> bool:
 class Guard:
     api_key: bytes | None  # never logged
     errors: ErrorAnswers
+    unit: int | None = None  # the serving unit (ingress replica rank), in X-Fly-Unit
 
 
 def route_path(scope) -> str:
@@ -71,6 +73,8 @@ class RequestMiddleware:
             if message["type"] == "http.response.start":
                 started = True
                 extra = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in ids.headers().items()]
+                if guard and guard.unit is not None:  # which unit answered: X-Session-Id's pin made visible
+                    extra.append((b"x-fly-unit", str(guard.unit).encode()))
                 message = {**message, "headers": [*message.get("headers", []), *extra]}
             await send(message)
 

@@ -18,7 +18,9 @@ loads (`pick_group`) keeps one hot prefix from taking every row: past (1 + LOAD_
 mean load (+ 1), a row falls to the next group in its own ranking (the least loaded in the limit).
 
 The same router pins serving units: ingress replica r tags its target calls "g<r>", so each
-ingress replica talks to its own target replica (no shared KV slot pool).
+ingress replica talks to its own target replica (no shared KV slot pool). Which unit an HTTP
+request meets is unit_router.py's choice, by the same rendezvous + bounded-load rule
+(`pick_bounded`) over the units' replica ids, keyed by the request's session id.
 
 BusyPolicy scales the drafter pool on what a drafter really sees: the fraction of wall time its
 model was busy (record_autoscaling_stats in drafter_replica.py), not ongoing requests, which the
@@ -31,10 +33,11 @@ import math
 import threading
 import time
 from array import array
+from collections.abc import Iterable
 
 from ray import serve
 from ray.serve.config import AutoscalingContext
-from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 log = logging.getLogger("fly_serve.replica_pool")
 
@@ -58,10 +61,16 @@ def group_of(key: str, n_groups: int) -> int:
     return max(range(n_groups), key=lambda g: hashlib.blake2b(f"{g}:{key}".encode(), digest_size=8).digest())
 
 
+def rendezvous(key: str, names: Iterable) -> list:
+    """`names` (groups, replica ids) in the key's rendezvous order, best first: a name that
+    leaves takes only its own keys with it, and one that comes wins only its share."""
+    weight = {n: hashlib.blake2b(f"{n}:{key}".encode(), digest_size=8).digest() for n in names}
+    return sorted(weight, key=weight.__getitem__, reverse=True)
+
+
 def ranking(key: str, n_groups: int) -> list[int]:
     """The groups in the key's rendezvous order, best first (group_of is the first)."""
-    weight = {g: hashlib.blake2b(f"{g}:{key}".encode(), digest_size=8).digest() for g in range(n_groups)}
-    return sorted(range(n_groups), key=weight.__getitem__, reverse=True)
+    return rendezvous(key, range(n_groups))
 
 
 AFFINITY_TOKENS = 64  # four KV blocks of 16: past a chat template's fixed head
@@ -76,12 +85,17 @@ def prefix_affinity(tokens: list[int], key: str) -> str:
     return "p" + hashlib.blake2b(array("q", tokens[:AFFINITY_TOKENS]).tobytes(), digest_size=8).hexdigest()
 
 
+def pick_bounded(key: str, names: list, loads: dict, slack: float = LOAD_SLACK):
+    """Consistent hashing with bounded loads: the first name in the key's rendezvous order that
+    holds fewer than ceil((1 + slack) x the mean load, this one counted) + 1 (so that a few of
+    one key's items stay together while the load is small); `loads`: items per name now."""
+    bound = math.ceil((1 + slack) * (sum(loads.get(n, 0) for n in names) + 1) / len(names)) + 1
+    return next(n for n in rendezvous(key, names) if loads.get(n, 0) < bound)
+
+
 def pick_group(affinity: str, n_groups: int, loads: dict[int, int], slack: float = LOAD_SLACK) -> int:
-    """Consistent hashing with bounded loads: the first group in the affinity's ranking that holds
-    fewer than ceil((1 + slack) x the mean rows, this one counted) + 1 (so that a few rows of one
-    prefix stay together in a small batch); `loads`: rows per group now."""
-    bound = math.ceil((1 + slack) * (sum(loads.values()) + 1) / n_groups) + 1
-    return next(g for g in ranking(affinity, n_groups) if loads.get(g, 0) < bound)
+    """A row's drafter group: pick_bounded over the groups; `loads`: rows per group now."""
+    return pick_bounded(affinity, list(range(n_groups)), loads, slack)
 
 
 def split(keys: list[str], n_groups: int) -> dict[int, list[int]]:
@@ -92,9 +106,11 @@ def split(keys: list[str], n_groups: int) -> dict[int, list[int]]:
     return groups
 
 
-class PinnedRouter(FIFOMixin, RequestRouter):
+class PinnedRouter(RequestRouter):
     """Group i goes to the i-th live replica (by replica id); untagged calls (health probes,
-    reports) and calls whose replica is not available go to any other replica."""
+    reports) and calls whose replica is not available go to any other replica. Not FIFOMixin:
+    with it a replica chosen for one call goes to the oldest call waiting, another group's when
+    a queue-length probe makes the routing tasks finish out of order."""
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
