@@ -31,6 +31,6 @@ def calibrate_served(engine: Engine, args: AppArgs) -> None:
         drafter_placement=args.drafter_placement,
     )
     try:
-        calibrate_engine(engine, key, progress=lambda line: log.info("fly: calibrating k auto: %s", line))
+        calibrate_engine(engine, key, progress=lambda line: log.info("fly: %s", line))
     except Exception:
         log.warning("fly: calibration failed; k auto starts from the default cost shape", exc_info=True)
