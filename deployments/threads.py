@@ -27,16 +27,18 @@ def serve_at_priority(nice: int | None) -> int | None:
     CPU node the Ray control plane (controller, raylet, GCS, proxy) and whatever else runs there
     wake up all the time. Measured on 2 cores with other load (docs/BENCHMARKS.md, "Serving
     processes first"). Below the current nice needs root or CAP_SYS_NICE: without it the process
-    stays where it is, with a warning."""
+    stays where it is, with a warning (above it, anyone may)."""
     if nice is None:
         return None
     current = os.getpriority(os.PRIO_PROCESS, 0)
-    if nice >= current:
+    if nice == current:
         return current
-    try:
-        for tid in os.listdir("/proc/self/task"):  # Linux: nice is per thread
+    for tid in os.listdir("/proc/self/task"):  # Linux: nice is per thread
+        try:
             os.setpriority(os.PRIO_PROCESS, int(tid), nice)
-    except (PermissionError, FileNotFoundError, ProcessLookupError) as e:
-        log.warning("serving_nice %d not applied (%s); running at nice %d", nice, e, current)
-        return os.getpriority(os.PRIO_PROCESS, 0)
+        except ProcessLookupError:  # a thread that ended meanwhile
+            continue
+        except PermissionError as e:
+            log.warning("serving_nice %d not applied (%s); running at nice %d", nice, e, current)
+            return current
     return nice

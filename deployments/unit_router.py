@@ -41,6 +41,18 @@ class Unit:
     ready: bool
 
 
+def units_from(seen: dict[str, tuple[int | None, dict]]) -> dict[str, Unit]:
+    """Units as the router knows them: name -> (ongoing requests, None when the proxy's view is
+    stale; the routing stats the unit last reported). A unit that has not reported yet is not
+    ready (it may still be loading: sessions would wait on it and get a 503); a stale load counts
+    as the mean of the known ones (as 0 it would draw the sessions of a busy unit)."""
+    known = [load for load, _ in seen.values() if load is not None]
+    mean = round(sum(known) / len(known)) if known else 0
+    return {
+        name: Unit(mean if load is None else load, stats.get(STATUS) == READY) for name, (load, stats) in seen.items()
+    }
+
+
 def route(session: str, units: dict[str, Unit], slack: float = LOAD_SLACK, rng=random) -> list[list[str]]:
     """Ranks of unit names (replica ids), best first, for Serve to try in order (within a rank
     it takes the least loaded unit that accepts). A session: its bounded-load pick, then the
@@ -63,10 +75,7 @@ class UnitRouter(RequestRouter):
     ) -> list[list[RunningReplica]]:
         by_name = {r.replica_id.unique_id: r for r in candidate_replicas}
         loads = self.replica_queue_len_cache
-        units = {
-            name: Unit(loads.get(r.replica_id) or 0, r.routing_stats.get(STATUS, READY) == READY)
-            for name, r in by_name.items()
-        }
+        units = units_from({name: (loads.get(r.replica_id), r.routing_stats or {}) for name, r in by_name.items()})
         session = ""
         if pending_request is not None:
             session = pending_request.metadata.session_id

@@ -164,6 +164,10 @@ def plan(rows: list[RowInfo], cost: RoundCostModel, max_iter: int = 12, overlap:
             # of a curved verify(n) that the thresholds jump over.
             rate, k = best_of(np.minimum(np.maximum(ks + _steps(B), floor), cap))
             if rate <= lam * (1 + 1e-12):
+                # Two drafts more or less: one more can cross into a drafter forward that only a
+                # second fills (a step that loses where the pair gains).
+                rate, k = best_of(np.minimum(np.maximum(ks + 2 * _steps(B), floor), cap))
+            if rate <= lam * (1 + 1e-12):
                 break  # nothing beats lam: with linear costs, lam is the optimum
         lam, ks = rate, k
     rate, seconds = (float(x) for x in rate_of(ks))

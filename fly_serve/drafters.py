@@ -18,8 +18,9 @@ ModelDrafter  a small model with its own KV cache. With MLA (multi-level acceler
   logits masked at every position by the grammar's state after the tokens drafted so far
   (grammar.DraftMatchers), so greedy drafts are legal and a sampled draft's q is the masked
   distribution it was drawn from. Where the grammar forces tokens (a schema's keys, quotes and
-  braces) they lead the forward's proposal: the mask leaves them the only choice, so the drafter
-  verifies them all in the forward that drafts the token after them.
+  braces) they lead the forward's proposal (one tokenization of the forced bytes; the mask may
+  allow another, such as `{` besides `{"`), so the drafter checks them all, as any proposal, in
+  the forward that drafts the token after them.
   Draft-ahead (a row with Row.peek, draft_ahead.py): the drafter first takes its own next token
   (its argmax: no random draw) and drafts after it. Those drafts bet on the target's verdict;
   the row's random stream is snapshotted before them and rewound at its next call unless that
@@ -134,8 +135,10 @@ class ModelDrafter:
         # After a round whose drafts all passed, the drafter lacks d_K and the bonus token: a lag
         # of two, fed in the first drafting forward rather than a forward of its own.
         self.runner.catch_up([r.key for r in rows], [r.tokens for r in rows], max_lag=4)
-        matchers = [self.matchers.at(r) if self.matchers else None for r in rows]
+        matchers = []
         try:
+            for r in rows:  # inside the try: a failure at row j leaves rows < j pushed otherwise
+                matchers.append(self.matchers.at(r) if self.matchers else None)
             rows, guesses, drafts, qs, forwards, row_forwards = self._draft(rows, matchers)
         finally:  # each matcher back at its row's committed tokens
             for m in matchers:

@@ -29,14 +29,14 @@ def flat_profile(verify_s=0.1, per_token=0.0, per_forward=0.0, per_row_forward=0
     return CostProfile([1, 101], [verify_s, verify_s + 100 * per_token], per_round, per_forward, per_row_forward)
 
 
-def rate(ks, rows, cost) -> float:
-    return sum(expected_emitted(k, r.acceptance) for k, r in zip(ks, rows)) / cost.round_s(ks, rows)
+def rate(ks, rows, cost, overlap=False) -> float:
+    return sum(expected_emitted(k, r.acceptance) for k, r in zip(ks, rows)) / cost.round_s(ks, rows, overlap=overlap)
 
 
-def brute_force(rows, cost) -> float:
+def brute_force(rows, cost, overlap=False) -> float:
     caps = [0 if r.drafter == NONE else r.k_max for r in rows]
     choices = [[cap] if r.fixed else range(cap + 1) for cap, r in zip(caps, rows)]
-    return max(rate(ks, rows, cost) for ks in itertools.product(*choices))
+    return max(rate(ks, rows, cost, overlap) for ks in itertools.product(*choices))
 
 
 # ---- expected_emitted
@@ -232,16 +232,16 @@ def random_instance(rng, curve: str, mixed: bool = True):
     return rows, RoundCostModel({"verify": verify, "draft": draft})
 
 
-def gaps(seed, curve, mixed, n=300):
+def gaps(seed, curve, mixed, n=300, overlap=False):
     """Relative shortfall of the allocation's rate from the brute-force optimum, per instance."""
     rng = np.random.default_rng(seed)
     out = []
     for _ in range(n):
         rows, cost = random_instance(rng, curve, mixed)
-        p = plan(rows, cost)
-        assert p.tokens / p.seconds == pytest.approx(rate(p.ks, rows, cost), rel=1e-9)
-        best = brute_force(rows, cost)
-        out.append((best - rate(p.ks, rows, cost)) / best)
+        p = plan(rows, cost, overlap=overlap)
+        assert p.tokens / p.seconds == pytest.approx(rate(p.ks, rows, cost, overlap), rel=1e-9)
+        best = brute_force(rows, cost, overlap)
+        out.append((best - rate(p.ks, rows, cost, overlap)) / best)
     return np.array(out)
 
 
@@ -255,6 +255,10 @@ def test_allocation_near_brute_force_on_batch_tables():
     for mixed in (False, True):
         g = gaps(12, "batched", mixed)
         assert g.max() <= 1e-9
+    # draft-ahead's overlapped round: one more draft can cross into a drafter forward only a
+    # second fills (seed 3 gave a plan 3.5% short before the two-draft steps)
+    for seed in (3, 12):
+        assert gaps(seed, "batched", True, n=200, overlap=True).max() <= 1e-9
 
 
 def test_allocation_near_brute_force_on_any_curve():

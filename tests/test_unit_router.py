@@ -7,7 +7,7 @@ import random
 from collections import Counter
 
 from deployments.replica_pool import rendezvous
-from deployments.unit_router import Unit, route
+from deployments.unit_router import Unit, route, units_from
 
 SESSIONS = [f"conversation-{i}" for i in range(3000)]
 
@@ -50,6 +50,15 @@ def test_units_that_are_not_ready_are_passed_over_while_one_is():
     none_ready = {n: Unit(0, False) for n in "ab"}  # all loading: they answer their own 503
     assert {route(s, none_ready)[0][0] for s in SESSIONS[:100]} == {"a", "b"}
     assert route("s", {}) == [] and route("", {}) == []
+
+
+def test_a_unit_that_has_not_reported_is_not_ready_and_a_stale_load_is_the_mean():
+    ready, loading = {"status": "ready"}, {"status": "loading"}
+    seen = {"a": (4, ready), "b": (None, ready), "c": (2, {}), "d": (0, loading)}
+    units = units_from(seen)
+    assert units == {"a": Unit(4, True), "b": Unit(2, True), "c": Unit(2, False), "d": Unit(0, False)}
+    assert all(first(s, units) in {"a", "b"} for s in SESSIONS[:200])  # the new unit c waits for its report
+    assert units_from({"a": (None, {"status": "ready"})}) == {"a": Unit(0, True)}
 
 
 def test_units_coming_and_going_move_only_their_share():
