@@ -160,6 +160,8 @@ def main():
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--batch", type=int, default=1, help="requests per engine batch")
     ap.add_argument("--speed-requests", type=int, default=None, help="per schema, for the fly/ar speed runs")
+    ap.add_argument("--speed-batch", type=int, default=1, help="requests per engine batch in the fly/ar speed runs")
+    ap.add_argument("--speed-temperature", type=float, default=0.0, help="temperature of the fly/ar speed runs")
     ap.add_argument("--schemas", nargs="+", default=list(SCHEMAS), choices=list(SCHEMAS))
     ap.add_argument("--tiny", action="store_true", help="tiny random models: a check of the script in seconds")
     ap.add_argument("--out", default=None)
@@ -177,14 +179,15 @@ def main():
     for m in args.modes:
         rows.append(run_mode(engine, tok, cases, m, True, args))
         print(json.dumps(rows[-1]), flush=True)
-    # Speed: fly and ar on the same prompts, with the schema and without it
+    # Speed: fly and ar on the same prompts, with the schema and without it, `speed_batch` at a time
     speed_cases = requests_for(args.speed_requests or args.requests, args.schemas)
     speed = {}
+    speed_args = argparse.Namespace(**{**vars(args), "batch": args.speed_batch, "temperature": args.speed_temperature})
     for m in ("ar", "fly"):
         for c in (True, False):
-            same = c and speed_cases == cases  # the constrained run above is this run
+            same = c and speed_cases == cases and vars(speed_args) == vars(args)  # the run above is this run
             done = next((r for r in rows if r["mode"] == m), None) if same else None
-            speed[(m, c)] = done or run_mode(engine, tok, speed_cases, m, c, args)
+            speed[(m, c)] = done or run_mode(engine, tok, speed_cases, m, c, speed_args)
             print(json.dumps(speed[(m, c)]), flush=True)
     summary = dict(invalid_per_mode={r["mode"]: r["invalid"] for r in rows})
     ratio = {c: speed[("fly", c)]["tok_s"] / max(speed[("ar", c)]["tok_s"], 1e-9) for c in (True, False)}
