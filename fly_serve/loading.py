@@ -68,18 +68,6 @@ def set_threads(n: int | None) -> None:
         torch.set_num_threads(n)
 
 
-def own_threads() -> None:
-    """Give the calling thread the process's torch thread count. OpenMP keeps the count per
-    thread, and a thread started after set_threads (the serving loop, asyncio.to_thread's workers,
-    a Ray actor's method threads) starts at OMP_NUM_THREADS, which Ray sets to 1 in a
-    fractional-CPU actor; torch applies its own count to a thread only when the thread first asks
-    for it (reading it does), and a bf16 matmul (oneDNN) never asks. Measured here with
-    OMP_NUM_THREADS=1: a new thread's OpenMP count stayed 1 through a bf16 matmul, and such a
-    thread ran a 1536 x 8960 bf16 matmul in 110 ms against 57 ms on the main thread. Cheap: after
-    the first call in a thread it is a read."""
-    torch.get_num_threads()
-
-
 def quantize_int8(model):
     """Dynamic int8 (per-channel weights) on every Linear layer, for a drafter on the CPU. The
     drafter only proposes, so the output stays the target's."""

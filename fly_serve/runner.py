@@ -18,7 +18,6 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from .graphs import DecodeGraphs, capture_mode
 from .kv_cache import KVCache, cdiv
-from .loading import own_threads
 
 DEFAULT_SEQ_TOKENS = 4096  # the default budget: n_slots sequences of this many tokens
 DEFAULT_INITIAL_TOKENS = 256  # per slot, allocated up front by default; the pool grows from there
@@ -197,7 +196,6 @@ class Runner:
         logits_at: "all" -> logits [B, T, V]; None -> no logits (a prefill that only fills the
         cache); a LongTensor [B, n] -> logits [B, n, V] at those positions of each row.
         """
-        own_threads()  # the calling thread's OpenMP team: the process's torch threads (loading.py)
         dev = self.device
         seqs = slots.tolist() if torch.is_tensor(slots) else list(slots)
         starts = torch.as_tensor(starts).cpu()
