@@ -58,7 +58,7 @@ def group_of(key: str, n_groups: int) -> int:
     """Rendezvous (highest random weight) hashing: stable across processes (blake2b, not the
     salted hash(); not crc32 either, whose linearity skews the weights), and growing n moves
     only the keys the new group wins."""
-    return max(range(n_groups), key=lambda g: hashlib.blake2b(f"{g}:{key}".encode(), digest_size=8).digest())
+    return rendezvous(key, range(n_groups))[0]
 
 
 def rendezvous(key: str, names: Iterable) -> list:

@@ -259,8 +259,7 @@ class ModelDrafter:
             return self._mla_proposal(row, context, room), None
         forced = m.forced()[: max(room, 0)]
         proposal = forced + self._mla_proposal(row, context + forced, room - len(forced))
-        end = next((i for i, t in enumerate(proposal) if t in m.eos_ids), len(proposal))
-        legal, masks = m.plan(proposal[:end])
+        legal, masks = m.plan(proposal[: m.until_eos(proposal)])
         return proposal[:legal], masks[: legal + 1]
 
     def _mla_proposal(self, row: Row, context: list[int], room: int) -> list[int]:

@@ -146,6 +146,10 @@ class Matcher:
         self.m.rollback(legal - (1 if legal and drafts[legal - 1] in self.eos_ids else 0))
         return legal, torch.stack(masks)
 
+    def until_eos(self, tokens: list[int]) -> int:
+        """How many leading tokens come before the first EOS (all of them without one)."""
+        return next((i for i, t in enumerate(tokens) if t in self.eos_ids), len(tokens))
+
     def forced(self) -> list[int]:
         """The tokens the grammar forces next (keys, quotes, braces of a schema), [] when it
         leaves a choice."""
@@ -154,7 +158,7 @@ class Matcher:
     def push(self, tokens: list[int]) -> int:
         """Consume tokens tentatively (a drafter's drafts), up to the first one the grammar refuses
         or an EOS (never fed); returns how many it consumed. `pop` undoes every push."""
-        end = next((i for i, t in enumerate(tokens) if t in self.eos_ids), len(tokens))
+        end = self.until_eos(tokens)
         n = self.m.validate_tokens(tokens[:end]) if end else 0
         if n and not self.m.consume_tokens(tokens[:n]):
             raise RuntimeError(f"grammar refused a validated token: {self.m.get_error()}")
