@@ -8,8 +8,9 @@ Correctness never depends on the routing: rows carry all their tokens and a cold
 rebuilds the cache (counted as a miss). The pool scales on the fraction of time each replica's
 model is busy (record_autoscaling_stats, BusyPolicy).
 
-Health: check_health() runs the model on one token; a replica whose calls hang (the lock is not
-free within the probe's timeout) or whose model fails is replaced by Serve. The ingress's engine
+Health: check_health() runs the model on one token; a replica whose calls hang (the one token is
+not through within the probe's timeout: it queues behind the calls on the torch thread) or whose
+model fails is replaced by Serve. The ingress's engine
 drafts by prompt lookup meanwhile (a drafter failure never fails a request).
 """
 
@@ -32,9 +33,9 @@ from fly_serve.row_history import RowHistory
 
 from .prometheus import inc
 from .replica_pool import BUSY, BusyPolicy, PinnedRouter
-from .threads import serve_at_priority, threads_from_ray
+from .threads import on_torch_thread, on_torch_thread_async, serve_at_priority, threads_from_ray
 
-PROBE_TIMEOUT_S = 20.0  # the lock free (no call stuck) and one token through the model
+PROBE_TIMEOUT_S = 20.0  # the calls before it done (no call stuck) and one token through the model
 # Serve's controller: a check every period; three failed checks in a row replace the replica.
 HEALTH_CHECK_PERIOD_S = 5.0
 HEALTH_CHECK_TIMEOUT_S = 30.0
@@ -67,15 +68,21 @@ class DrafterDeployment:
         probe_timeout_s: float = PROBE_TIMEOUT_S,
     ):
         serve_at_priority(nice)  # before the model loads: every thread started later inherits it
-        set_threads(threads or threads_from_ray())
         self.probe_timeout_s = probe_timeout_s
-        # the ingress checks that the drafter's tokenizer is the target's (build.assemble_engine)
-        self.drafter = load_drafter(config, device=device_for(ray.get_gpu_ids()))  # Ray's GPU, else the CPU
+
+        def load():
+            set_threads(threads or threads_from_ray())
+            return load_drafter(config, device=device_for(ray.get_gpu_ids()))  # Ray's GPU, else the CPU
+
+        # the ingress checks that the drafter's tokenizer is the target's (build.assemble_engine);
+        # loaded, drafting and probed on one thread: one OpenMP team (threads.py)
+        self.drafter = on_torch_thread(load)
         # structured output: constrained rows drafted under their grammar (Row.grammar), with a
         # matcher per row here; the ingress's engine keeps the authoritative one
         self.drafter.share_grammars(grammars_for(config))
         self.history = RowHistory()  # rows come with the tokens not sent before (row_history.py)
-        # ModelDrafter is not thread-safe; Serve may run several calls of one replica at once.
+        # ModelDrafter is not thread-safe; Serve may run several calls of one replica at once (the
+        # torch thread takes them in turn; the lock keeps that so if a call ever runs elsewhere).
         self.lock = threading.Lock()
         self.hits = metrics.Counter("fly_drafter_cache_hits", "Rows whose drafter KV cache was warm.")
         self.misses = metrics.Counter("fly_drafter_cache_misses", "Rows the drafter had to prefill.")
@@ -85,7 +92,7 @@ class DrafterDeployment:
         self._reported = (time.monotonic(), 0.0, 0)  # (when, busy_s, rows) at the last stats report
 
     async def propose(self, rows: list[Row]) -> Drafts:
-        return await asyncio.to_thread(self._propose, rows)
+        return await on_torch_thread_async(self._propose, rows)
 
     def _propose(self, rows: list[Row]) -> Drafts:
         with self.lock:
@@ -103,7 +110,7 @@ class DrafterDeployment:
             return out
 
     async def release(self, keys: list[str]) -> None:
-        await asyncio.to_thread(self._release, keys)
+        await on_torch_thread_async(self._release, keys)
 
     def _release(self, keys: list[str]) -> None:
         with self.lock:
@@ -126,7 +133,10 @@ class DrafterDeployment:
     # ---- health
     async def check_health(self) -> None:
         """Raises (Serve then replaces the replica) unless the model answers in time."""
-        await asyncio.to_thread(self._probe)
+        try:
+            await asyncio.wait_for(on_torch_thread_async(self._probe), self.probe_timeout_s)
+        except TimeoutError:
+            raise TimeoutError(f"the drafter did not run one token within {self.probe_timeout_s} s") from None
 
     async def healthy(self) -> bool:
         """check_health for callers (the ingress's prober): True, or it raises."""
@@ -134,12 +144,8 @@ class DrafterDeployment:
         return True
 
     def _probe(self) -> None:
-        if not self.lock.acquire(timeout=self.probe_timeout_s):
-            raise TimeoutError(f"a drafter call has held the model for over {self.probe_timeout_s} s")
-        try:
+        with self.lock:
             logits = self._one_token_logits()
-        finally:
-            self.lock.release()
         if not torch.isfinite(logits).all():
             raise RuntimeError("the draft model returns non-finite logits")
 

@@ -1,5 +1,9 @@
 """The ingress's round loop: one thread owns the Engine and runs rounds while there is work.
 
+The thread is also the ingress process's torch thread: given a function that builds the Engine,
+it loads the models there, and `call` runs other model work there between rounds (k auto's
+calibration), so the process has one OpenMP team (deployments/threads.py says why that matters).
+
 HTTP handlers never touch the Engine: they post submissions and aborts to an inbox, which the
 thread drains between rounds (that is where requests join and leave). After each round the
 thread hands every advanced request's new text to that request's sink. Whatever one inbox item
@@ -89,6 +93,12 @@ class _Abort:
 
 
 @dataclass
+class _Call:
+    fn: Callable[[], object]
+    future: Future
+
+
+@dataclass
 class _Timing:
     arrival: float
     first_token: float | None = None
@@ -97,13 +107,15 @@ class _Timing:
 class EngineLoop:
     def __init__(
         self,
-        engine: Engine,
+        engine: Engine | Callable[[], Engine],
         metrics=None,
         stuck_round_s: float = float("inf"),
         on_round_failed: Callable[[str], None] | None = None,
     ):
-        """on_round_failed(reason): told when a round fails (from the engine thread; must not block)."""
-        self.engine, self.metrics = engine, metrics
+        """engine: the Engine, or a function that builds it on the loop's thread (the constructor
+        waits for it and raises what it raised). on_round_failed(reason): told when a round fails
+        (from the engine thread; must not block)."""
+        self.metrics = metrics
         self.on_round_failed = on_round_failed
         self.stuck_round_s = stuck_round_s
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -118,8 +130,14 @@ class EngineLoop:
         self.ready_at = time.monotonic()  # when the loop last woke or ended a round (ingress wait starts)
         self.timeline = {phase: 0.0 for phase in TIMELINE}  # seconds by phase, all rounds since start
         self.stop_reason: str | None = None  # set by stop(): the loop ends its requests and exits
-        self.thread = threading.Thread(target=self._run, name="fly-engine-loop", daemon=True)
+        self._closed, self._calls_lock = False, threading.Lock()  # closed: no call() runs any more
+        built: Future = Future()
+        if isinstance(engine, Engine):
+            built.set_result(engine)
+            engine = None
+        self.thread = threading.Thread(target=self._run, args=(engine, built), name="fly-engine-loop", daemon=True)
         self.thread.start()
+        self.engine: Engine = built.result()
 
     # ---- called from handlers (any thread)
     def submit(self, prompt, params: Params | dict, request_id: str, sink, arrival: float | None = None) -> Future:
@@ -131,6 +149,16 @@ class EngineLoop:
     def abort(self, request_id: str) -> None:
         """Idempotent: aborting a finished or unknown request does nothing."""
         self._post(_Abort(request_id))
+
+    def call(self, fn: Callable[[], object]) -> Future:
+        """Future of fn() run on the loop's thread between rounds (model work: threads.py)."""
+        fut = Future()
+        with self._calls_lock:  # posted before the loop closes, so its last drain runs it
+            if self._closed:
+                fut.set_exception(RuntimeError("the engine loop has stopped"))
+            else:
+                self._post(_Call(fn, fut))
+        return fut
 
     def stop(self, reason: str) -> None:
         """Ends every request still here with an error (reason goes to the log) and ends the thread
@@ -179,13 +207,24 @@ class EngineLoop:
         self.wake.set()
 
     # ---- the engine thread
-    def _run(self) -> None:
+    def _run(self, build: Callable[[], Engine] | None, built: Future) -> None:
+        if build is not None:
+            try:
+                built.set_result(build())
+            except BaseException as e:  # the constructor raises it
+                built.set_exception(e)
+                with self._calls_lock:
+                    self._closed = True
+                return
+        self.engine = built.result()
         while self.stop_reason is None:
             try:
                 self._iterate()
             except Exception:  # bookkeeping, metrics, a sink: never let it end the loop
                 log.exception("engine loop iteration failed; continuing")
                 time.sleep(FAULT_BACKOFF_S)
+        with self._calls_lock:
+            self._closed = True
         self._shutdown(self.stop_reason)
 
     def _iterate(self) -> None:
@@ -235,6 +274,8 @@ class EngineLoop:
             try:
                 if isinstance(item, _Submit):
                     self._add(item)
+                elif isinstance(item, _Call):
+                    self._call(item)
                 else:
                     self._abort(item.request_id)
             except Exception:  # one item never stops the loop
@@ -251,6 +292,15 @@ class EngineLoop:
         self.sinks[req.id] = s.sink
         self.timing[req.id] = _Timing(s.arrival)
         s.future.set_result(req)
+
+    @staticmethod
+    def _call(c: _Call) -> None:
+        if not c.future.set_running_or_notify_cancel():
+            return
+        try:
+            c.future.set_result(c.fn())
+        except BaseException as e:  # the caller's to handle
+            c.future.set_exception(e)
 
     def _abort(self, request_id: str) -> None:
         reqs = [r for r in list(self.engine.waiting) + self.engine.running if r.id == request_id]

@@ -116,22 +116,34 @@ class Ingress:
         target_handle = target_handle.options(multiplexed_model_id=group_tag(unit))
         tokenizer = load_tokenizer(config.target)
         scorer = RemoteScorer(target_handle, len(tokenizer), args.call_timeout_s)
-        self.drafter_handle, self.local_drafter = drafter_handle, None
-        if drafter_handle is not None:  # one drafting call per live drafter replica each round (replica_pool.py)
-            live = LiveReplicas(ctx.app_name, "FlyDrafter")
-            drafter = RemoteDrafter(drafter_handle, args.affinity_groups, args.call_timeout_s, live)
-        elif args.drafter_placement == "ingress" and config.drafter:
-            set_threads(args.drafter_threads or threads_from_ray())
-            drafter = self.local_drafter = load_drafter(config, device=device_for(ray.get_gpu_ids()))
-        else:
-            drafter = None
-        engine = assemble_engine(config, scorer, drafter, tokenizer)
-        self.prompts = PromptEncoder(config.target, engine.max_model_len)
-        # ready once every part answers and k auto's cost profile is measured (calibration.py)
-        self.prober = Prober(
-            self._parts(target_handle, drafter_handle), on_ready=lambda: calibrate_served(engine, args)
+        self.drafter_handle = drafter_handle
+        local = drafter_handle is None and args.drafter_placement == "ingress" and config.drafter
+
+        def build_engine():
+            if drafter_handle is not None:  # one drafting call per live drafter replica each round (replica_pool.py)
+                live = LiveReplicas(ctx.app_name, "FlyDrafter")
+                drafter = RemoteDrafter(drafter_handle, args.affinity_groups, args.call_timeout_s, live)
+            elif local:
+                set_threads(args.drafter_threads or threads_from_ray())
+                drafter = load_drafter(config, device=device_for(ray.get_gpu_ids()))
+            else:
+                drafter = None
+            return assemble_engine(config, scorer, drafter, tokenizer)
+
+        # The loop's thread loads the drafter and runs every round: the process's torch work on one
+        # thread (threads.py). The prober is made next; no round can fail before a request comes.
+        self.loop = EngineLoop(
+            build_engine, self.metrics, args.stuck_round_s, on_round_failed=lambda why: self.prober.round_failed(why)
         )
-        self.loop = EngineLoop(engine, self.metrics, args.stuck_round_s, on_round_failed=self.prober.round_failed)
+        engine = self.loop.engine
+        self.local_drafter = engine.drafters["model"] if local else None
+        self.prompts = PromptEncoder(config.target, engine.max_model_len)
+        # ready once every part answers and k auto's cost profile is measured (calibration.py), on
+        # the loop's thread too
+        self.prober = Prober(
+            self._parts(target_handle, drafter_handle),
+            on_ready=lambda: self.loop.call(lambda: calibrate_served(engine, args)).result(),
+        )
         self.slots = Slots(args.max_batch + args.max_waiting)
         self.draining = False
 

@@ -41,7 +41,7 @@ from fly_serve.row_history import RowHistory
 
 from .app_args import DEFAULT_RANK_CALL_TIMEOUT_S, DEFAULT_RANK_PING_TIMEOUT_S, DEFAULT_TP_STARTUP_TIMEOUT_S
 from .replica_pool import PinnedRouter
-from .threads import serve_at_priority, threads_from_ray
+from .threads import on_torch_thread, on_torch_thread_async, serve_at_priority, threads_from_ray
 
 log = logging.getLogger("ray.serve")
 
@@ -88,8 +88,11 @@ class TargetShards(Protocol):
 
 class LocalTarget:
     def __init__(self, config: EngineConfig, threads: int | None):
-        set_threads(threads)
-        self.scorer = load_scorer(config, device=device_for(ray.get_gpu_ids()))  # Ray's GPU, else the CPU
+        def load():
+            set_threads(threads)
+            return load_scorer(config, device=device_for(ray.get_gpu_ids()))  # Ray's GPU, else the CPU
+
+        self.scorer = on_torch_thread(load)  # the thread every verify runs on (threads.py)
         self.history = RowHistory()  # rows come with the tokens not sent before (row_history.py)
 
     def verify(self, rows: list[Row], drafts: Drafts) -> Verdict:
@@ -123,20 +126,26 @@ class TPWorker:
         self, config: EngineConfig, rank: int, world: int, addr: str, port: int, threads, timeout_s: float, nice=None
     ):
         serve_at_priority(nice)
-        set_threads(threads)
-        device = device_for(ray.get_gpu_ids())  # the GPU Ray assigned this rank, else the CPU
-        group = tp.init_group(rank, world, addr, port, timeout_s=timeout_s, device=device)
-        self.scorer = load_scorer(config, rank, world, tp_group=group, device=device)
+
+        def load():
+            set_threads(threads)
+            device = device_for(ray.get_gpu_ids())  # the GPU Ray assigned this rank, else the CPU
+            group = tp.init_group(rank, world, addr, port, timeout_s=timeout_s, device=device)
+            return load_scorer(config, rank, world, tp_group=group, device=device)
+
+        # Ray runs __init__ and the default group's calls on different threads: all torch work
+        # goes to the one torch thread (threads.py)
+        self.scorer = on_torch_thread(load)
         # Every rank gets the same calls, so every rank holds the same histories, and a row
         # unknown to one is unknown to all: the group stays in step (RowsUnknown on every rank).
         self.history = RowHistory()
 
     def verify(self, rows: list[Row], drafts: Drafts) -> Verdict:
-        return self.scorer.verify(self.history.whole(rows), drafts)
+        return on_torch_thread(self.scorer.verify, self.history.whole(rows), drafts)
 
     def release(self, keys: list[str]) -> None:
         self.history.release(keys)
-        self.scorer.release(keys)
+        on_torch_thread(self.scorer.release, keys)
 
     # On the health thread: a ping must not queue behind a verify (a long prefill on CPU took past
     # the ping timeout, and the group was rebuilt again and again under load).
@@ -303,7 +312,7 @@ class TargetDeployment:
 
     # ---- rounds
     async def verify(self, rows: list[Row], drafts: Drafts) -> Verdict:
-        return await asyncio.to_thread(self._verify, rows, drafts)
+        return await on_torch_thread_async(self._verify, rows, drafts)  # one OpenMP team (threads.py)
 
     def _verify(self, rows: list[Row], drafts: Drafts) -> Verdict:
         with self._round():
@@ -314,7 +323,7 @@ class TargetDeployment:
             return verdict
 
     async def release(self, keys: list[str]) -> None:
-        await asyncio.to_thread(self._release, keys)
+        await on_torch_thread_async(self._release, keys)
 
     def _release(self, keys: list[str]) -> None:
         with self._round():
