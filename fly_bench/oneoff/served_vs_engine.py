@@ -10,6 +10,10 @@ defaults); `fly_k15` (k 15, theta 0.3, window 6). Per (where, method, prompt): t
 drafts, and draft / verify milliseconds per round. Then the same greedy default request alone, 3
 times plain and once streamed: how many different texts came back (one is the promise). Writes
 results.json and summary.md; speed is compared only as ratios within the run.
+
+`--alternate N` runs the whole sequence N times (one process, then each profile, again), and the
+table gives each cell's median over the passes, with the ratios to one process pass by pass: this
+VM's speed drifts by 20-30% within minutes, which a single pass reads as a difference of places.
 """
 
 import argparse
@@ -123,7 +127,13 @@ def serving(config: str, port: int, tiny: bool):
         server.wait(timeout=300)
 
 
-def through_serve(config: str, max_tokens: int, port: int, tiny: bool) -> dict:
+def in_process_child(config: str, max_tokens: int, tiny: bool) -> dict:
+    cmd = [sys.executable, "-m", __spec__.name, "--in-process-only", config, "--max-tokens", str(max_tokens)]
+    done = subprocess.run(cmd + ["--tiny"] * tiny, check=True, capture_output=True, text=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def through_serve(config: str, max_tokens: int, port: int, tiny: bool, same_text: bool = True) -> dict:
     with serving(config, port, tiny) as url:
         out = {}
         for method, knobs in METHODS.items():
@@ -131,6 +141,9 @@ def through_serve(config: str, max_tokens: int, port: int, tiny: bool) -> dict:
                 chat(url, text, knobs, 8)  # warm-up
                 _, tokens, fly, wall = chat(url, text, knobs, max_tokens)
                 out[f"{method}/{name}"] = row(tokens, wall, fly)
+        out["stats"] = requests.get(f"{url}/v1/fly/stats", timeout=60).json()
+        if not same_text:
+            return out
         runs = [chat(url, CODE, {}, 96) for _ in range(REPEATS)] + [chat(url, CODE, {}, 96, stream=True)]
         texts = [r[0] for r in runs]
         out["same_text"] = {
@@ -141,8 +154,37 @@ def through_serve(config: str, max_tokens: int, port: int, tiny: bool) -> dict:
                 (i for i in range(96 * 8) if len({t[i : i + 1] for t in texts}) > 1), default=None
             ),
         }
-        out["stats"] = requests.get(f"{url}/v1/fly/stats", timeout=60).json()
         return out
+
+
+def median_runs(passes: list[dict]) -> dict:
+    """Each place's cells as the median over the passes (the first pass's other entries kept)."""
+    runs = {}
+    for where, first in passes[0].items():
+        runs[where] = dict(first)
+        for cell in (k for k in first if "/" in k):
+            rows = sorted((p[where][cell] for p in passes), key=lambda r: r["tok_s"])
+            runs[where][cell] = rows[len(rows) // 2] | {"tok_s_passes": [p[where][cell]["tok_s"] for p in passes]}
+    return runs
+
+
+def pass_ratios(passes: list[dict]) -> list[str]:
+    """Per pass, served / one process of every cell: the ratio the drift cannot fake."""
+    lines = []
+    for i, runs in enumerate(passes):
+        base = runs.get("one process")
+        if base is None:
+            continue
+        for where, res in runs.items():
+            if where == "one process":
+                continue
+            cells = [
+                f"{m} {res[f'{m}/code']['tok_s'] / base[f'{m}/code']['tok_s']:.2f}x "
+                f"({res[f'{m}/rewrite']['tok_s'] / base[f'{m}/rewrite']['tok_s']:.2f}x)"
+                for m in METHODS
+            ]
+            lines.append(f"- pass {i + 1}, {where} / one process: " + ", ".join(cells))
+    return lines
 
 
 # ---- report
@@ -160,6 +202,7 @@ def summary(result: dict) -> str:
             f"| {where} | " + " | ".join(cells) + f" | {f['draft_ms_per_round']} / {f['verify_ms_per_round']} |"
         )
     lines.append("")
+    lines += pass_ratios(result.get("passes", []))
     for where, res in result["runs"].items():
         if "same_text" in res:
             s = res["same_text"]
@@ -186,22 +229,25 @@ def main() -> None:
     p.add_argument("--skip-in-process", action="store_true")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--tiny", action="store_true", help="tiny random models: a smoke run of this script")
+    p.add_argument("--alternate", type=int, default=1, help="passes over every place, alternating (medians)")
     p.add_argument("--in-process-only", help=argparse.SUPPRESS)  # the child process's own phase
     args = p.parse_args()
     if args.in_process_only:
         print(json.dumps(in_process(args.in_process_only, args.max_tokens, args.tiny)))
         return
     name, bf16 = cpu()
-    result = {"cpu": name, "bf16": bf16, "max_tokens": args.max_tokens, "runs": {}}
+    result = {"cpu": name, "bf16": bf16, "max_tokens": args.max_tokens, "runs": {}, "passes": []}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    if not args.skip_in_process:  # a child process: its threads and memory are gone before Serve starts
-        cmd = [sys.executable, "-m", __spec__.name, "--in-process-only", args.configs[0]] + ["--tiny"] * args.tiny
-        done = subprocess.run(cmd + ["--max-tokens", str(args.max_tokens)], check=True, capture_output=True, text=True)
-        result["runs"]["one process"] = json.loads(done.stdout.strip().splitlines()[-1])
-    for config in args.configs:
-        result["runs"][f"Serve, {Path(config).stem}"] = through_serve(config, args.max_tokens, args.port, args.tiny)
-        (out / "results.json").write_text(json.dumps(result, indent=1))
+    for i in range(args.alternate):
+        runs = {}
+        result["passes"].append(runs)
+        if not args.skip_in_process:  # a child process: its threads and memory are gone before Serve starts
+            runs["one process"] = in_process_child(args.configs[0], args.max_tokens, args.tiny)
+        for config in args.configs:
+            runs[f"Serve, {Path(config).stem}"] = through_serve(config, args.max_tokens, args.port, args.tiny, i == 0)
+            (out / "results.json").write_text(json.dumps(result, indent=1))
+    result["runs"] = median_runs(result["passes"])
     (out / "results.json").write_text(json.dumps(result, indent=1))
     (out / "summary.md").write_text(summary(result))
     print(summary(result))
