@@ -45,7 +45,10 @@ from .weights import cache_dir
 
 log = logging.getLogger("fly_serve.cost_calibration")
 
-FORMAT = 2  # bump when what a profile means changes: older cache entries are then ignored
+# Bump when what a profile means changes: older cache entries are then ignored. 3: the served
+# parts run their torch work on one thread a process (deployments/threads.py), and profiles
+# measured before ran the drafter in the ingress ~1.5x slower than it now runs.
+FORMAT = 3
 DRAFT_K = 4  # drafts per row of the drafter's long call (the short one drafts 1)
 CONTEXT_TOKENS = 16  # context of each timing row: a verify feeds its last token and drafts only
 KEY_PREFIX = "calibrate-"
