@@ -153,7 +153,10 @@ class EngineLoop:
     def call(self, fn: Callable[[], object]) -> Future:
         """Future of fn() run on the loop's thread between rounds (model work: threads.py)."""
         fut = Future()
-        with self._calls_lock:  # posted before the loop closes, so its last drain runs it
+        if threading.current_thread() is self.thread:  # already here: queued, it would wait for itself
+            self._call(_Call(fn, fut))
+            return fut
+        with self._calls_lock:  # posted before the loop closes, so its last drain answers it
             if self._closed:
                 fut.set_exception(RuntimeError("the engine loop has stopped"))
             else:
@@ -217,14 +220,16 @@ class EngineLoop:
                     self._closed = True
                 return
         self.engine = built.result()
-        while self.stop_reason is None:
-            try:
-                self._iterate()
-            except Exception:  # bookkeeping, metrics, a sink: never let it end the loop
-                log.exception("engine loop iteration failed; continuing")
-                time.sleep(FAULT_BACKOFF_S)
-        with self._calls_lock:
-            self._closed = True
+        try:
+            while self.stop_reason is None:
+                try:
+                    self._iterate()
+                except Exception:  # bookkeeping, metrics, a sink: never let it end the loop
+                    log.exception("engine loop iteration failed; continuing")
+                    time.sleep(FAULT_BACKOFF_S)
+        finally:  # even a BaseException: no call() may wait for a loop that is gone
+            with self._calls_lock:
+                self._closed = True
         self._shutdown(self.stop_reason)
 
     def _iterate(self) -> None:
@@ -293,9 +298,11 @@ class EngineLoop:
         self.timing[req.id] = _Timing(s.arrival)
         s.future.set_result(req)
 
-    @staticmethod
-    def _call(c: _Call) -> None:
+    def _call(self, c: _Call) -> None:
         if not c.future.set_running_or_notify_cancel():
+            return
+        if self.stop_reason is not None:  # stopping: the parts it would use may be gone
+            c.future.set_exception(RuntimeError("the engine loop is stopping"))
             return
         try:
             c.future.set_result(c.fn())

@@ -65,6 +65,7 @@ HEALTH_POLL_S = 2.0  # a handler waiting on the engine loop checks this often th
 READY_WAIT_S = 5.0  # a request arriving while the parts start (or are probed) waits this long before its 503
 DRAIN_POLL_S = 0.1
 STOP_WAIT_S = 5.0  # at shutdown, for the engine thread to end what is left
+CALIBRATION_TIMEOUT_S = 1800.0  # k auto's measurement at start (~25 s on a 2-core CPU; seconds on a GPU)
 
 
 def openapi_schema() -> dict:
@@ -140,12 +141,17 @@ class Ingress:
         self.prompts = PromptEncoder(config.target, engine.max_model_len)
         # ready once every part answers and k auto's cost profile is measured (calibration.py), on
         # the loop's thread too
-        self.prober = Prober(
-            self._parts(target_handle, drafter_handle),
-            on_ready=lambda: self.loop.call(lambda: calibrate_served(engine, args)).result(),
-        )
+        self.prober = Prober(self._parts(target_handle, drafter_handle), on_ready=lambda: self._calibrate(engine, args))
         self.slots = Slots(args.max_batch + args.max_waiting)
         self.draining = False
+
+    def _calibrate(self, engine, args: AppArgs) -> None:
+        """k auto's profile, on the loop's thread; a loop that stops meanwhile leaves the default
+        cost shape (calibrate_served handles its own failures the same way)."""
+        try:
+            self.loop.call(lambda: calibrate_served(engine, args)).result(timeout=CALIBRATION_TIMEOUT_S)
+        except Exception:
+            log.warning("fly: calibration did not run; k auto starts from the default cost shape", exc_info=True)
 
     @staticmethod
     def _parts(target_handle, drafter_handle) -> list[Part]:
@@ -194,7 +200,9 @@ class Ingress:
         """Serve stops a replica by waiting (up to graceful_shutdown_timeout_s) until no request
         is ongoing, streams included, then calling this: whatever is still here is ended with an
         error, which a stream sends as its last event, instead of a cut connection."""
-        if not hasattr(self, "loop"):  # the constructor did not finish
+        if not hasattr(self, "prober"):  # the constructor did not finish
+            if hasattr(self, "loop"):
+                self.loop.stop("the replica did not start")
             return
         self.prober.stop()
         if left := await self.drain():
