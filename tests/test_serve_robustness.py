@@ -438,6 +438,8 @@ def hang_up_in_the_last_round(url: str) -> None:
     """Reads up to the chunk that carries finish_reason and leaves before [DONE]."""
     body = {"prompt": PROMPT, "max_tokens": 3, "stream": True, "fly": {"mode": "fly", "k": 4, "window": 1}}
     with requests.post(f"{url}/v1/completions", json=body, stream=True, timeout=TIMEOUT) as r:
+        if r.status_code != 200:
+            return  # turned away (at capacity, slots of clients that left not yet freed): leaving is moot
         for line in r.iter_lines(decode_unicode=True):
             if line and line != "data: [DONE]" and json.loads(line[6:])["choices"][0]["finish_reason"]:
                 break
