@@ -16,6 +16,10 @@ entry. A profile given explicitly (`speculation_profile`) overrides it.
   drafter   seconds per batched forward by rows in it (B = 1, 2, 4, ... max_batch): drafting 1
             and DRAFT_K tokens per row, the difference is DRAFT_K - 1 forwards
 
+Noise on a shared host only adds time, so each point keeps its fastest call and both curves are
+the lower envelope of their points (lower_envelope): a 2-row forward timed slower than a 4-row
+one costs what the 4-row one did.
+
 Cost: (log2 max_batch + 2) x (log2 (k_max + 1) + 2) target shapes at most (20 for max_batch 8,
 k_max 15), `reps` verifies each, plus two untimed ones; the drafter (1 + reps x (1 + DRAFT_K))
 forwards per batch size.
@@ -36,6 +40,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from .config import EngineConfig
@@ -47,9 +52,11 @@ log = logging.getLogger("fly_serve.cost_calibration")
 
 # Bump when what a profile means changes: older cache entries are then ignored. 3: the served
 # parts run their torch work on one thread a process (deployments/threads.py), and profiles
-# measured before ran the drafter in the ingress ~1.5x slower than it now runs.
-FORMAT = 3
-DRAFT_K = 4  # drafts per row of the drafter's long call (the short one drafts 1)
+# measured before ran the drafter in the ingress ~1.5x slower than it now runs. 4: the drafter's
+# short and long calls alternate, a long call drafts 8, 3 calls a point, and the curves are the
+# lower envelope of their points (profiles before were noisier: a served drafter priced 2x).
+FORMAT = 4
+DRAFT_K = 8  # drafts per row of the drafter's long call (the short one drafts 1)
 CONTEXT_TOKENS = 16  # context of each timing row: a verify feeds its last token and drafts only
 KEY_PREFIX = "calibrate-"
 LOAD_KEY = KEY_PREFIX + "load"  # the row that keeps the other side busy (draft-ahead's curves)
@@ -200,24 +207,34 @@ def time_verify(scorer, rows: list[Row], k: int, reps: int, gen: torch.Generator
 
 def time_draft(drafter, rows: list[Row], reps: int) -> tuple[float, float]:
     """(seconds per batched forward, seconds per call beyond its forwards) for these rows:
-    drafting 1 and DRAFT_K tokens each, the difference is DRAFT_K - 1 forwards."""
-
-    def fastest(k: int) -> tuple[float, int]:
-        call = [Row(r.key, r.tokens, k, mla=False) for r in rows]
-        best, forwards = float("inf"), 1
-        for _ in range(reps):
+    drafting 1 and DRAFT_K tokens each, the difference is DRAFT_K - 1 forwards. The short and the
+    long call alternate, so a slow spell of the host (a VM's speed drifts within a minute) slows
+    both alike instead of landing on one side of the difference."""
+    short = [Row(r.key, r.tokens, 1, mla=False) for r in rows]
+    long = [Row(r.key, r.tokens, DRAFT_K, mla=False) for r in rows]
+    drafter.propose(short)  # warm: prefill the rows
+    best = {1: (float("inf"), 1), DRAFT_K: (float("inf"), DRAFT_K)}  # k -> (fastest s, its forwards)
+    for _ in range(reps):
+        for k, call in ((1, short), (DRAFT_K, long)):
             t0 = time.perf_counter()
             forwards = drafter.propose(call).forwards or k
-            best = min(best, time.perf_counter() - t0)
-        return best, forwards
-
-    drafter.propose([Row(r.key, r.tokens, 1, mla=False) for r in rows])  # warm: prefill the rows
-    t_lo, f_lo = fastest(1)
-    t_hi, f_hi = fastest(DRAFT_K)
+            best[k] = min(best[k], (time.perf_counter() - t0, forwards))
+    (t_lo, f_lo), (t_hi, f_hi) = best[1], best[DRAFT_K]
     per_forward = max(t_hi - t_lo, 0.0) / max(f_hi - f_lo, 1)
     if per_forward <= 0:  # noise swamped the difference: the plain average instead
         per_forward = t_hi / max(f_hi, 1)
     return per_forward, max(t_lo - f_lo * per_forward, 0.0)
+
+
+def lower_envelope(seconds) -> np.ndarray:
+    """Each shape's time as at most that of every larger shape (more rows or more tokens never
+    verify faster): a point above a larger one was slowed by something else on the host (noise
+    here only adds time; the calibration keeps each point's fastest call for the same reason).
+    seconds: [R, T] (or [N]), increasing shapes along each axis."""
+    s = np.asarray(seconds, dtype=float)
+    for axis in range(s.ndim):
+        s = np.flip(np.minimum.accumulate(np.flip(s, axis), axis), axis)
+    return s
 
 
 def _under(stages, side: str, load, fn, *args):
@@ -227,7 +244,7 @@ def _under(stages, side: str, load, fn, *args):
 
 
 def measure_profile(
-    scorer, drafter, *, k_max: int, max_batch: int, reps: int = 2, progress=print, stages=None
+    scorer, drafter, *, k_max: int, max_batch: int, reps: int = 3, progress=print, stages=None
 ) -> CostProfile:
     """Time the target (and the drafter, if any) through their protocols; a progress line per
     point. The timing rows are released from both parts afterwards. stages (draft_ahead.Stages,
@@ -261,6 +278,8 @@ def measure_profile(
                 f"calibrating k auto: target, {b} rows x {t} tokens in a forward: "
                 f"{grid[b, t] * 1e3:.1f} ms ({i}/{len(shapes)})"
             )
+        table = lower_envelope([[grid[b, t] for t in widths] for b in batch_rows])  # [R, T]
+        grid = {(b, t): float(table[i, j]) for i, b in enumerate(batch_rows) for j, t in enumerate(widths)}
         points = verify_points(k_max, max_batch)  # the token curve: one row, then rows of k_max drafts
         tokens, seconds = [b * (k + 1) for b, k in points], [grid[b, k + 1] for b, k in points]
         e, c, d, draft_rows, draft_seconds = 0.0, 0.0, 0.0, [], []
@@ -272,6 +291,7 @@ def measure_profile(
                 draft_seconds.append(per_forward)
                 per_round.append(extra)
                 progress(f"calibrating k auto: drafter, {b} rows in a forward: {per_forward * 1e3:.1f} ms")
+            draft_seconds = [float(x) for x in lower_envelope(draft_seconds)]
             c, d = fit_per_forward(draft_rows, draft_seconds)
             e = statistics.median(per_round)
     finally:
@@ -300,7 +320,7 @@ def measure_profile(
 
 # ---- the engine's entry point
 def calibrate_engine(
-    engine, key: dict, *, reps: int = 2, refresh: bool = False, cache: bool = True, progress=print
+    engine, key: dict, *, reps: int = 3, refresh: bool = False, cache: bool = True, progress=print
 ) -> CostProfile:
     """Load this key's profile from the cache or measure it through the engine's parts (and cache
     it); either way install it into engine.policy (frozen until the next call). refresh: measure

@@ -76,6 +76,30 @@ def test_calibration_runs_a_bounded_number_of_calls(tiny_engine):
     assert len(calls["propose"]) == 2 * (1 + 2 * 2)  # per batch size: a warm-up, reps of 1 and of DRAFT_K
 
 
+def test_drafter_short_and_long_calls_alternate():
+    """A slow spell of the host lands on both sides of the short / long difference."""
+
+    class Drafter:
+        ks: list = []
+
+        def propose(self, rows):
+            self.ks.append(rows[0].k)
+            return type("Drafts", (), {"forwards": rows[0].k})()
+
+    drafter = Drafter()
+    per_forward, extra = cc.time_draft(drafter, cc.timing_rows(1, 50, 0), reps=3)
+    assert drafter.ks == [1] + [1, cc.DRAFT_K] * 3
+    assert per_forward >= 0 and extra >= 0
+
+
+def test_lower_envelope_caps_each_shape_by_every_larger_one():
+    grid = [[3.0, 2.0, 4.0], [2.5, 5.0, 4.5], [6.0, 1.0, 7.0]]  # [rows, tokens]: noisy
+    assert cc.lower_envelope(grid).tolist() == [[1.0, 1.0, 4.0], [1.0, 1.0, 4.5], [1.0, 1.0, 7.0]]
+    assert cc.lower_envelope([0.07, 0.04, 0.05, 0.06]).tolist() == [0.04, 0.04, 0.05, 0.06]
+    clean = [[1.0, 2.0], [3.0, 4.0]]  # already non-decreasing both ways: unchanged
+    assert cc.lower_envelope(clean).tolist() == clean
+
+
 def test_timed_verifies_feed_only_the_last_token_and_the_drafts(tiny_engine):
     rows = cc.timing_rows(2, tiny_engine.scorer.vocab_size, 0)
     assert [len(r.tokens) for r in rows] == [cc.CONTEXT_TOKENS] * 2 and rows[0].tokens != rows[1].tokens
