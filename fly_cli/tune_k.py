@@ -55,7 +55,7 @@ QUICK_K_MAX = 3
 class Settings:
     batch_sizes: list[int]
     k_max: int
-    reps: int  # timed repetitions per point (the median is kept)
+    reps: int  # passes over the cost curves' points (each keeps its fastest; a drafter difference the median)
     max_tokens: int  # per calibration request
     measure_tokens: int  # per request of the measured speedup
     n_prompts: int  # calibration prompts
@@ -310,7 +310,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--k-max", type=int, default=15, help="largest k profiled and tabulated")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens per calibration request")
     p.add_argument("--measure-tokens", type=int, default=48, help="tokens per request of the measured speedup")
-    p.add_argument("--reps", type=int, default=3, help="timed repetitions per point (median)")
+    p.add_argument("--reps", type=int, default=3, help="passes over the cost curves' points (each keeps its fastest)")
     p.add_argument("--prompts", type=int, default=3, help="calibration prompts (code, prose, math, ...)")
     p.add_argument("--quick", action="store_true", help="smoke run: batch 1 and 2, k 0/1/3, 1 rep, 8 tokens")
     p.add_argument("--out", default=None, help="write the YAML here (default: stdout, after the table)")

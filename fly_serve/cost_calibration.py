@@ -21,8 +21,9 @@ the lower envelope of their points (lower_envelope): a 2-row forward timed slowe
 one costs what the 4-row one did.
 
 Cost: (log2 max_batch + 2) x (log2 (k_max + 1) + 2) target shapes at most (20 for max_batch 8,
-k_max 15), `reps` verifies each, plus two untimed ones; the drafter (1 + reps x (1 + DRAFT_K))
-forwards per batch size.
+k_max 15), `reps` verifies each, plus two untimed ones; the drafter reps x (2 + DRAFT_K) forwards
+per batch size. The shapes are timed in `reps` passes over all of them (each keeps its fastest),
+so a drift of the host's speed over the minute reaches every shape alike.
 
 The timing rows are dummies (random token ids, a short context) under their own keys; their KV
 is released afterwards, so the requests that follow have the whole cache.
@@ -53,8 +54,8 @@ log = logging.getLogger("fly_serve.cost_calibration")
 # Bump when what a profile means changes: older cache entries are then ignored. 3: the served
 # parts run their torch work on one thread a process (deployments/threads.py), and profiles
 # measured before ran the drafter in the ingress ~1.5x slower than it now runs. 4: the drafter's
-# short and long calls alternate, a long call drafts 8, 3 calls a point, and the curves are the
-# lower envelope of their points (profiles before were noisier: a served drafter priced 2x).
+# short and long calls alternate, a long call drafts 8, 3 passes over all points, and the curves
+# are the lower envelope of their points (profiles before were noisier: a served drafter priced 2x).
 FORMAT = 4
 DRAFT_K = 8  # drafts per row of the drafter's long call (the short one drafts 1)
 CONTEXT_TOKENS = 16  # context of each timing row: a verify feeds its last token and drafts only
@@ -246,11 +247,12 @@ def _under(stages, side: str, load, fn, *args):
 def measure_profile(
     scorer, drafter, *, k_max: int, max_batch: int, reps: int = 3, progress=print, stages=None
 ) -> CostProfile:
-    """Time the target (and the drafter, if any) through their protocols; a progress line per
-    point. The timing rows are released from both parts afterwards. stages (draft_ahead.Stages,
-    an engine with draft-ahead): each side is timed on its own thread while the other side works
-    on its own (a drafter drafting one row, a target verifying one row of k_max drafts), so the
-    curves are what a draft-ahead round sees when the two share the machine."""
+    """Time the target (and the drafter, if any) through their protocols in `reps` passes; a
+    progress line per point and pass. The timing rows are released from both parts afterwards.
+    stages (draft_ahead.Stages, an engine with draft-ahead): each side is timed on its own thread
+    while the other side works on its own (a drafter drafting one row, a target verifying one row
+    of k_max drafts), so the curves are what a draft-ahead round sees when the two share the
+    machine."""
     started = time.perf_counter()
     vocab = scorer.vocab_size
     batch_rows, widths = batch_shapes(k_max, max_batch)
@@ -272,28 +274,42 @@ def measure_profile(
         def verify_load():
             scorer.verify([load_row], _random_drafts([load_row], k_max, vocab, load_gen))
 
-        for i, (b, t) in enumerate(shapes, 1):
-            grid[b, t] = _under(stages, "verify", draft_load, time_verify, scorer, rows[:b], t - 1, reps, gen)
-            progress(
-                f"calibrating k auto: target, {b} rows x {t} tokens in a forward: "
-                f"{grid[b, t] * 1e3:.1f} ms ({i}/{len(shapes)})"
-            )
+        # Pass after pass over every shape, each shape keeping its fastest call: the VM's speed
+        # drifts over minutes, and shapes timed one after the other would read that drift as
+        # their difference (the 8-row shapes come last); a pass takes seconds.
+        drafting = drafter is not None
+        draft_passes: dict[int, list[tuple[float, float]]] = {b: [] for b in batch_rows}  # rows -> per pass
+        done, total = 0, reps * (len(shapes) + (len(batch_rows) if drafting else 0))
+        for n in range(1, reps + 1):
+            for b, t in shapes:
+                took = _under(stages, "verify", draft_load, time_verify, scorer, rows[:b], t - 1, 1, gen)
+                grid[b, t] = min(grid.get((b, t), took), took)
+                done += 1
+                progress(
+                    f"calibrating k auto: pass {n}/{reps}, target, {b} rows x {t} tokens in a forward: "
+                    f"{took * 1e3:.1f} ms ({done}/{total})"
+                )
+            for b in batch_rows if drafting else ():
+                per_forward, extra = _under(stages, "draft", verify_load, time_draft, drafter, rows[:b], 1)
+                draft_passes[b].append((per_forward, extra))
+                done += 1
+                progress(
+                    f"calibrating k auto: pass {n}/{reps}, drafter, {b} rows in a forward: "
+                    f"{per_forward * 1e3:.1f} ms ({done}/{total})"
+                )
         table = lower_envelope([[grid[b, t] for t in widths] for b in batch_rows])  # [R, T]
         grid = {(b, t): float(table[i, j]) for i, b in enumerate(batch_rows) for j, t in enumerate(widths)}
         points = verify_points(k_max, max_batch)  # the token curve: one row, then rows of k_max drafts
         tokens, seconds = [b * (k + 1) for b, k in points], [grid[b, k + 1] for b, k in points]
         e, c, d, draft_rows, draft_seconds = 0.0, 0.0, 0.0, [], []
-        if drafter is not None:
-            per_round = []
-            for b in batch_rows:
-                per_forward, extra = _under(stages, "draft", verify_load, time_draft, drafter, rows[:b], reps)
-                draft_rows.append(b)
-                draft_seconds.append(per_forward)
-                per_round.append(extra)
-                progress(f"calibrating k auto: drafter, {b} rows in a forward: {per_forward * 1e3:.1f} ms")
-            draft_seconds = [float(x) for x in lower_envelope(draft_seconds)]
+        if drafting:
+            # a per-forward cost is a difference of two calls, so noise can move it either way:
+            # the median of the passes, then the lower envelope across row counts
+            draft_rows = list(batch_rows)
+            per_pass = [draft_passes[b] for b in batch_rows]
+            draft_seconds = [float(x) for x in lower_envelope([statistics.median(f for f, _ in p) for p in per_pass])]
             c, d = fit_per_forward(draft_rows, draft_seconds)
-            e = statistics.median(per_round)
+            e = statistics.median(x for p in per_pass for _, x in p)
     finally:
         for part in (scorer, drafter):
             if part is not None:

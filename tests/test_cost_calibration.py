@@ -73,7 +73,7 @@ def test_calibration_runs_a_bounded_number_of_calls(tiny_engine):
     assert shapes == 2 * 3
     assert len(calls["verify"]) == 2 + 2 * shapes  # the prefill, a warm-up, then reps a shape
     assert max(calls["verify"]) == 2  # never more rows than max_batch
-    assert len(calls["propose"]) == 2 * (1 + 2 * 2)  # per batch size: a warm-up, reps of 1 and of DRAFT_K
+    assert len(calls["propose"]) == 2 * 2 * (1 + 2)  # per pass and batch size: a warm-up, 1 and DRAFT_K
 
 
 def test_drafter_short_and_long_calls_alternate():
