@@ -65,7 +65,7 @@ HEALTH_POLL_S = 2.0  # a handler waiting on the engine loop checks this often th
 READY_WAIT_S = 5.0  # a request arriving while the parts start (or are probed) waits this long before its 503
 DRAIN_POLL_S = 0.1
 STOP_WAIT_S = 5.0  # at shutdown, for the engine thread to end what is left
-CALIBRATION_TIMEOUT_S = 1800.0  # k auto's measurement at start (~25 s on a 2-core CPU; seconds on a GPU)
+CALIBRATION_TIMEOUT_S = 1800.0  # k auto's measurement at start (~33 s on a 2-core CPU; seconds on a GPU)
 
 
 def openapi_schema() -> dict:

@@ -312,7 +312,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--measure-tokens", type=int, default=48, help="tokens per request of the measured speedup")
     p.add_argument("--reps", type=int, default=3, help="passes over the cost curves' points (each keeps its fastest)")
     p.add_argument("--prompts", type=int, default=3, help="calibration prompts (code, prose, math, ...)")
-    p.add_argument("--quick", action="store_true", help="smoke run: batch 1 and 2, k 0/1/3, 1 rep, 8 tokens")
+    p.add_argument("--quick", action="store_true", help="smoke run: batch 1 and 2, k 0/1/3, 1 pass, 8 tokens")
     p.add_argument("--out", default=None, help="write the YAML here (default: stdout, after the table)")
     p.add_argument("--no-cache", action="store_true", help="do not write the cost-profile cache entry")
     p.add_argument(

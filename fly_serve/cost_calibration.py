@@ -16,9 +16,10 @@ entry. A profile given explicitly (`speculation_profile`) overrides it.
   drafter   seconds per batched forward by rows in it (B = 1, 2, 4, ... max_batch): drafting 1
             and DRAFT_K tokens per row, the difference is DRAFT_K - 1 forwards
 
-Noise on a shared host only adds time, so each point keeps its fastest call and both curves are
-the lower envelope of their points (lower_envelope): a 2-row forward timed slower than a 4-row
-one costs what the 4-row one did.
+Noise on a shared host only adds time, so each target shape keeps its fastest call (a drafter
+point, a difference of two calls that noise moves either way, the median of its passes) and both
+curves are the lower envelope of their points (lower_envelope): a 2-row forward timed slower than
+a 4-row one costs what the 4-row one did.
 
 Cost: (log2 max_batch + 2) x (log2 (k_max + 1) + 2) target shapes at most (20 for max_batch 8,
 k_max 15), `reps` verifies each, plus two untimed ones; the drafter reps x (2 + DRAFT_K) forwards
@@ -54,9 +55,10 @@ log = logging.getLogger("fly_serve.cost_calibration")
 # Bump when what a profile means changes: older cache entries are then ignored. 3: the served
 # parts run their torch work on one thread a process (deployments/threads.py), and profiles
 # measured before ran the drafter in the ingress ~1.5x slower than it now runs. 4: the drafter's
-# short and long calls alternate, a long call drafts 8, 3 passes over all points, and the curves
-# are the lower envelope of their points (profiles before were noisier: a served drafter priced 2x).
-FORMAT = 4
+# short and long calls alternate, a long call drafts 8, and the curves are the lower envelope of
+# their points (profiles before were noisier: a served drafter priced 2x). 5: 3 passes over all
+# points instead of 3 calls of each in a row (a drift over the minute read as a shape's cost).
+FORMAT = 5
 DRAFT_K = 8  # drafts per row of the drafter's long call (the short one drafts 1)
 CONTEXT_TOKENS = 16  # context of each timing row: a verify feeds its last token and drafts only
 KEY_PREFIX = "calibrate-"
@@ -253,6 +255,8 @@ def measure_profile(
     while the other side works on its own (a drafter drafting one row, a target verifying one row
     of k_max drafts), so the curves are what a draft-ahead round sees when the two share the
     machine."""
+    if reps < 1:
+        raise ValueError(f"reps: at least one pass over the shapes (got {reps})")
     started = time.perf_counter()
     vocab = scorer.vocab_size
     batch_rows, widths = batch_shapes(k_max, max_batch)

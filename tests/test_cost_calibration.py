@@ -76,20 +76,49 @@ def test_calibration_runs_a_bounded_number_of_calls(tiny_engine):
     assert len(calls["propose"]) == 2 * 2 * (1 + 2)  # per pass and batch size: a warm-up, 1 and DRAFT_K
 
 
-def test_drafter_short_and_long_calls_alternate():
-    """A slow spell of the host lands on both sides of the short / long difference."""
+def test_drafter_short_and_long_calls_alternate(monkeypatch):
+    """A slow spell of the host lands on both sides of the short / long difference; the per-forward
+    cost is the difference of the fastest calls, the rest of a call its overhead."""
+    clock = [0.0]
+    monkeypatch.setattr(cc.time, "perf_counter", lambda: clock[0])
 
     class Drafter:
-        ks: list = []
+        def __init__(self):
+            self.ks = []
 
         def propose(self, rows):
             self.ks.append(rows[0].k)
+            clock[0] += 0.005 + 0.01 * rows[0].k + (0.5 if len(self.ks) == 4 else 0.0)  # call 4: a slow spell
             return type("Drafts", (), {"forwards": rows[0].k})()
 
     drafter = Drafter()
     per_forward, extra = cc.time_draft(drafter, cc.timing_rows(1, 50, 0), reps=3)
     assert drafter.ks == [1] + [1, cc.DRAFT_K] * 3
-    assert per_forward >= 0 and extra >= 0
+    assert per_forward == pytest.approx(0.01) and extra == pytest.approx(0.005)
+
+
+def test_calibration_passes_over_every_shape_before_repeating(tiny_engine, monkeypatch):
+    """Pass after pass (all target shapes, then the drafter's rows): each target shape keeps its
+    fastest pass, each drafter point the median of its passes, then the lower envelope."""
+    order, verify_s, draft_s = (
+        [],
+        iter([0.3, 0.2, 0.4, 0.5, 0.25, 0.3, 0.45, 0.6, 0.35, 0.25, 0.38, 0.55]),
+        iter([0.05, 0.02, 0.04, 0.01, 0.03, 0.03]),
+    )
+    monkeypatch.setattr(
+        cc, "time_verify", lambda scorer, rows, k, reps, gen: order.append(("v", len(rows), k)) or next(verify_s)
+    )
+    monkeypatch.setattr(
+        cc, "time_draft", lambda drafter, rows, reps: order.append(("d", len(rows))) or (next(draft_s), 0.0)
+    )
+    profile = cc.measure_profile(
+        tiny_engine.scorer, tiny_engine.drafters["model"], k_max=1, max_batch=2, reps=3, progress=lambda _: None
+    )
+    one_pass = [("v", 1, 0), ("v", 1, 1), ("v", 2, 0), ("v", 2, 1), ("d", 1), ("d", 2)]
+    assert order == one_pass * 3
+    # [rows, tokens] fastest of 3 passes: [[0.25, 0.2], [0.38, 0.5]], then capped by larger shapes
+    assert profile.verify_batch.seconds == [[0.2, 0.2], [0.38, 0.5]]
+    assert profile.extra["draft_seconds"] == [0.02, 0.02]  # medians 0.04 (1 row), 0.02 (2 rows), enveloped
 
 
 def test_lower_envelope_caps_each_shape_by_every_larger_one():
