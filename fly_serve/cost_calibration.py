@@ -208,25 +208,22 @@ def time_verify(scorer, rows: list[Row], k: int, reps: int, gen: torch.Generator
     return best
 
 
-def time_draft(drafter, rows: list[Row], reps: int) -> tuple[float, float]:
-    """(seconds per batched forward, seconds per call beyond its forwards) for these rows:
-    drafting 1 and DRAFT_K tokens each, the difference is DRAFT_K - 1 forwards. The short and the
-    long call alternate, so a slow spell of the host (a VM's speed drifts within a minute) slows
-    both alike instead of landing on one side of the difference."""
-    short = [Row(r.key, r.tokens, 1, mla=False) for r in rows]
-    long = [Row(r.key, r.tokens, DRAFT_K, mla=False) for r in rows]
-    drafter.propose(short)  # warm: prefill the rows
-    best = {1: (float("inf"), 1), DRAFT_K: (float("inf"), DRAFT_K)}  # k -> (fastest s, its forwards)
-    for _ in range(reps):
-        for k, call in ((1, short), (DRAFT_K, long)):
-            t0 = time.perf_counter()
-            forwards = drafter.propose(call).forwards or k
-            best[k] = min(best[k], (time.perf_counter() - t0, forwards))
-    (t_lo, f_lo), (t_hi, f_hi) = best[1], best[DRAFT_K]
-    per_forward = max(t_hi - t_lo, 0.0) / max(f_hi - f_lo, 1)
-    if per_forward <= 0:  # noise swamped the difference: the plain average instead
-        per_forward = t_hi / max(f_hi, 1)
-    return per_forward, max(t_lo - f_lo * per_forward, 0.0)
+def time_draft(drafter, rows: list[Row]) -> tuple[float, float, float]:
+    """One reading of the drafter on these rows: a call drafting 1 token a row, then one drafting
+    DRAFT_K (made one after the other, so a slow spell of the host lands on both). Returns (seconds
+    per batched forward: the difference over the forwards between, which noise may push to <= 0;
+    seconds of a call beyond its forwards; the long call's plain average per forward). The
+    calibration takes the median of its passes' readings (measure_profile)."""
+    took = {}
+    drafter.propose([Row(r.key, r.tokens, 1, mla=False) for r in rows])  # warm: prefill the rows
+    for k in (1, DRAFT_K):
+        call = [Row(r.key, r.tokens, k, mla=False) for r in rows]
+        t0 = time.perf_counter()
+        forwards = drafter.propose(call).forwards or k
+        took[k] = (time.perf_counter() - t0, forwards)
+    (t_lo, f_lo), (t_hi, f_hi) = took[1], took[DRAFT_K]
+    per_forward = (t_hi - t_lo) / max(f_hi - f_lo, 1)
+    return per_forward, max(t_lo - f_lo * max(per_forward, 0.0), 0.0), t_hi / max(f_hi, 1)
 
 
 def lower_envelope(seconds) -> np.ndarray:
@@ -282,7 +279,7 @@ def measure_profile(
         # drifts over minutes, and shapes timed one after the other would read that drift as
         # their difference (the 8-row shapes come last); a pass takes seconds.
         drafting = drafter is not None
-        draft_passes: dict[int, list[tuple[float, float]]] = {b: [] for b in batch_rows}  # rows -> per pass
+        draft_passes: dict[int, list[tuple[float, float, float]]] = {b: [] for b in batch_rows}  # rows -> per pass
         done, total = 0, reps * (len(shapes) + (len(batch_rows) if drafting else 0))
         for n in range(1, reps + 1):
             for b, t in shapes:
@@ -294,12 +291,12 @@ def measure_profile(
                     f"{took * 1e3:.1f} ms ({done}/{total})"
                 )
             for b in batch_rows if drafting else ():
-                per_forward, extra = _under(stages, "draft", verify_load, time_draft, drafter, rows[:b], 1)
-                draft_passes[b].append((per_forward, extra))
+                reading = _under(stages, "draft", verify_load, time_draft, drafter, rows[:b])
+                draft_passes[b].append(reading)
                 done += 1
                 progress(
                     f"calibrating k auto: pass {n}/{reps}, drafter, {b} rows in a forward: "
-                    f"{per_forward * 1e3:.1f} ms ({done}/{total})"
+                    f"{reading[0] * 1e3:.1f} ms ({done}/{total})"
                 )
         table = lower_envelope([[grid[b, t] for t in widths] for b in batch_rows])  # [R, T]
         grid = {(b, t): float(table[i, j]) for i, b in enumerate(batch_rows) for j, t in enumerate(widths)}
@@ -308,12 +305,15 @@ def measure_profile(
         e, c, d, draft_rows, draft_seconds = 0.0, 0.0, 0.0, [], []
         if drafting:
             # a per-forward cost is a difference of two calls, so noise can move it either way:
-            # the median of the passes, then the lower envelope across row counts
+            # the median of the passes (where noise swamped it, <= 0: the plain average instead),
+            # then the lower envelope across row counts
             draft_rows = list(batch_rows)
             per_pass = [draft_passes[b] for b in batch_rows]
-            draft_seconds = [float(x) for x in lower_envelope([statistics.median(f for f, _ in p) for p in per_pass])]
+            medians = [statistics.median(f for f, _, _ in p) for p in per_pass]
+            medians = [m if m > 0 else statistics.median(a for _, _, a in p) for m, p in zip(medians, per_pass)]
+            draft_seconds = [float(x) for x in lower_envelope(medians)]
             c, d = fit_per_forward(draft_rows, draft_seconds)
-            e = statistics.median(x for p in per_pass for _, x in p)
+            e = statistics.median(x for p in per_pass for _, x, _ in p)
     finally:
         for part in (scorer, drafter):
             if part is not None:

@@ -76,9 +76,9 @@ def test_calibration_runs_a_bounded_number_of_calls(tiny_engine):
     assert len(calls["propose"]) == 2 * 2 * (1 + 2)  # per pass and batch size: a warm-up, 1 and DRAFT_K
 
 
-def test_drafter_short_and_long_calls_alternate(monkeypatch):
-    """A slow spell of the host lands on both sides of the short / long difference; the per-forward
-    cost is the difference of the fastest calls, the rest of a call its overhead."""
+def test_a_drafter_reading_is_a_short_then_a_long_call(monkeypatch):
+    """A warm-up, then a 1-draft and a DRAFT_K-draft call one after the other: the per-forward cost
+    is their difference over the forwards between, the rest of a call its overhead."""
     clock = [0.0]
     monkeypatch.setattr(cc.time, "perf_counter", lambda: clock[0])
 
@@ -88,13 +88,14 @@ def test_drafter_short_and_long_calls_alternate(monkeypatch):
 
         def propose(self, rows):
             self.ks.append(rows[0].k)
-            clock[0] += 0.005 + 0.01 * rows[0].k + (0.5 if len(self.ks) == 4 else 0.0)  # call 4: a slow spell
+            clock[0] += 0.005 + 0.01 * rows[0].k
             return type("Drafts", (), {"forwards": rows[0].k})()
 
     drafter = Drafter()
-    per_forward, extra = cc.time_draft(drafter, cc.timing_rows(1, 50, 0), reps=3)
-    assert drafter.ks == [1] + [1, cc.DRAFT_K] * 3
+    per_forward, extra, average = cc.time_draft(drafter, cc.timing_rows(1, 50, 0))
+    assert drafter.ks == [1, 1, cc.DRAFT_K]
     assert per_forward == pytest.approx(0.01) and extra == pytest.approx(0.005)
+    assert average == pytest.approx((0.005 + 0.01 * cc.DRAFT_K) / cc.DRAFT_K)
 
 
 def test_calibration_passes_over_every_shape_before_repeating(tiny_engine, monkeypatch):
@@ -103,13 +104,13 @@ def test_calibration_passes_over_every_shape_before_repeating(tiny_engine, monke
     order, verify_s, draft_s = (
         [],
         iter([0.3, 0.2, 0.4, 0.5, 0.25, 0.3, 0.45, 0.6, 0.35, 0.25, 0.38, 0.55]),
-        iter([0.05, 0.02, 0.04, 0.01, 0.03, 0.03]),
+        iter([0.05, 0.02, 0.04, 0.01, 0.03, 0.03]),  # per pass: 1 row, 2 rows
     )
     monkeypatch.setattr(
         cc, "time_verify", lambda scorer, rows, k, reps, gen: order.append(("v", len(rows), k)) or next(verify_s)
     )
     monkeypatch.setattr(
-        cc, "time_draft", lambda drafter, rows, reps: order.append(("d", len(rows))) or (next(draft_s), 0.0)
+        cc, "time_draft", lambda drafter, rows: order.append(("d", len(rows))) or (next(draft_s), 0.0, 0.09)
     )
     profile = cc.measure_profile(
         tiny_engine.scorer, tiny_engine.drafters["model"], k_max=1, max_batch=2, reps=3, progress=lambda _: None
@@ -119,6 +120,20 @@ def test_calibration_passes_over_every_shape_before_repeating(tiny_engine, monke
     # [rows, tokens] fastest of 3 passes: [[0.25, 0.2], [0.38, 0.5]], then capped by larger shapes
     assert profile.verify_batch.seconds == [[0.2, 0.2], [0.38, 0.5]]
     assert profile.extra["draft_seconds"] == [0.02, 0.02]  # medians 0.04 (1 row), 0.02 (2 rows), enveloped
+
+
+def test_a_drafter_point_that_noise_swamped_takes_the_plain_average(tiny_engine, monkeypatch):
+    """Where the median difference of the short and long calls is <= 0, the long call's plain
+    average per forward prices the point, not a free drafter."""
+    readings = iter([(-0.01, 0.0, 0.06), (0.08, 0.0, 0.09), (0.0, 0.0, 0.07), (0.09, 0.0, 0.1)])
+    monkeypatch.setattr(cc, "time_verify", lambda scorer, rows, k, reps, gen: 0.1)
+    monkeypatch.setattr(cc, "time_draft", lambda drafter, rows: next(readings))
+    profile = cc.measure_profile(
+        tiny_engine.scorer, tiny_engine.drafters["model"], k_max=1, max_batch=2, reps=2, progress=lambda _: None
+    )
+    # 1 row: the median of -0.01 and 0.0 is <= 0, so the median average, 0.065; 2 rows: 0.085
+    assert profile.extra["draft_seconds"] == pytest.approx([0.065, 0.085])
+    assert profile.draft_per_forward > 0
 
 
 def test_lower_envelope_caps_each_shape_by_every_larger_one():

@@ -90,30 +90,3 @@ def test_an_engine_that_fails_to_build_fails_the_loop_constructor():
 
     with pytest.raises(OSError, match="no weights here"):
         EngineLoop(build)
-
-
-def test_alternating_passes_report_the_median_speed_of_each_cell():
-    from fly_bench.oneoff.served_vs_engine import median_runs, pass_ratios
-
-    def cell(tok_s, rounds):
-        return {"tok_s": tok_s, "rounds": rounds}
-
-    def place(ar, fly):
-        return {
-            "ar/code": cell(ar, 10),
-            "ar/rewrite": cell(ar, 10),
-            "default/code": cell(fly, 3),
-            "default/rewrite": cell(fly, 3),
-            "fly_k15/code": cell(fly, 2),
-            "fly_k15/rewrite": cell(fly, 2),
-        }
-
-    passes = [
-        {"one process": place(4.0, 12.0), "Serve": place(3.0, 9.0)},
-        {"one process": place(3.0, 10.0), "Serve": place(2.0, 8.0)},
-    ]
-    runs = median_runs(passes)
-    assert runs["one process"]["ar/code"]["tok_s"] == 3.5  # of two passes: their mean, not the faster
-    assert runs["Serve"]["fly_k15/code"] == {"tok_s": 8.5, "rounds": 2, "tok_s_passes": [9.0, 8.0]}
-    lines = pass_ratios(passes)
-    assert len(lines) == 2 and "ar 0.75x (0.75x)" in lines[0] and "ar 0.67x (0.67x)" in lines[1]
