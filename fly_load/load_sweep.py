@@ -4,13 +4,19 @@
     fly-serve serve &                                   # the default profile on 127.0.0.1:8000
     python -m fly_load.load_sweep --out fly_load/results/sweep
     python -m fly_load.load_sweep --users 1 8 --methods ar fly:k=15 fly:k=auto --duration 30
+    python -m fly_load.load_sweep --users 8 --together 2 --max-tokens 160
 
 Each user sends one streaming chat completion at a time (code and prose prompts, greedy), so
-the users are the requests in flight. Per run: tokens/s (completion tokens from the responses'
-usage over the run's wall time), p50 / p99 latency, p50 / p99 time to first token, and the
-drafts per round each request got (with k "auto" that is the k the engine chose). Writes one CSV
-of requests per run, summary.json, summary.md and, with matplotlib, throughput.png. Speedups are
-ratios against `ar` at the same level in the same sweep; nothing is asserted.
+the users are the requests in flight. With `--together N` a run is N bursts instead: the users
+arrive together, each sends one request, and the next burst starts when all have finished; user
+j of burst n gets prompt j + n x users, so every method sees the same prompts (a paired
+comparison, where a closed loop's methods each get whichever prompts its timing hands them).
+
+Per run: tokens/s (completion tokens from the responses' usage over the run's wall time), p50 /
+p99 latency, p50 / p99 time to first token, and the drafts per round each request got (with k
+"auto" that is the k the engine chose). Writes one CSV of requests per run, summary.json,
+summary.md and, with matplotlib, throughput.png. Speedups are ratios against `ar` at the same
+level in the same sweep; nothing is asserted.
 
 `--check N` afterwards runs N sampled greedy (prompt, method) pairs through the in-process
 engine and reports how many texts are equal (bf16 numerics may differ with batch composition).
@@ -18,6 +24,7 @@ engine and reports how many texts are equal (bf16 numerics may differ with batch
 
 import argparse
 import csv
+import itertools
 import json
 import statistics
 import sys
@@ -29,8 +36,11 @@ from urllib.parse import urlparse
 import gevent
 from locust import HttpUser, constant, task
 from locust.env import Environment
+from locust.exception import StopUser
 
 from fly_bench.prompts import SWEEP_CHATS as PROMPTS
+
+SPAWN_AT_ONCE = 10_000  # users a second: a burst's users start within milliseconds of each other
 
 
 @dataclass
@@ -62,17 +72,33 @@ class Record:
     text: str
 
 
-def user_class(method: Method, users: int, max_tokens: int, records: list[Record]) -> type:
+def user_class(method: Method, users: int, max_tokens: int, records: list[Record], burst: int | None = None) -> type:
+    """Closed-loop users (burst None): each sends one request after another. In a burst, user j
+    of the burst sends one request, prompt (j + burst x users), and stops: every method of a
+    sweep then gets the same prompts at the same users."""
+    seats = itertools.count()
+
     class SweepUser(HttpUser):
         wait_time = constant(0)
 
         def on_start(self):
             self.sent = 0
+            self.seat = next(seats)
 
         @task
         def complete(self):
-            i = (self.sent * users + id(self) % 997) % len(PROMPTS)
+            if burst is None:
+                i = (self.sent * users + id(self) % 997) % len(PROMPTS)
+            else:
+                i = (self.seat + burst * users) % len(PROMPTS)
             self.sent += 1
+            try:
+                self.send(i)
+            finally:
+                if burst is not None:
+                    raise StopUser()
+
+        def send(self, i: int) -> None:
             body = {
                 "messages": [{"role": "user", "content": PROMPTS[i]}],
                 "max_tokens": max_tokens,
@@ -135,6 +161,24 @@ def run_level(host: str, method: Method, users: int, duration_s: float, max_toke
     wall = time.perf_counter() - t0
     failures = env.stats.total.num_failures
     runner.quit()
+    return records, summarize(records, wall, failures)
+
+
+def run_bursts(host: str, method: Method, users: int, bursts: int, max_tokens: int) -> tuple[list[Record], dict]:
+    """`bursts` times, `users` requests that arrive together (one per user, spawned at once) and
+    all finish before the next burst; the wall is the sum of the bursts' makespans."""
+    records: list[Record] = []
+    wall, failures = 0.0, 0
+    for burst in range(bursts):
+        env = Environment(user_classes=[user_class(method, users, max_tokens, records, burst)], host=host)
+        runner = env.create_local_runner()
+        t0 = time.perf_counter()
+        runner.start(users, spawn_rate=SPAWN_AT_ONCE)
+        runner.spawning_greenlet.join()
+        runner.user_greenlets.join()  # each user stops after its one request
+        wall += time.perf_counter() - t0
+        failures += env.stats.total.num_failures
+        runner.quit()
     return records, summarize(records, wall, failures)
 
 
@@ -230,6 +274,13 @@ def main(argv=None) -> None:
     ap.add_argument("--users", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     ap.add_argument("--methods", nargs="+", default=["ar", "fly:k=15", "fly:k=3", "fly:k=auto"])
     ap.add_argument("--duration", type=float, default=45.0, help="seconds users keep sending, per run")
+    ap.add_argument(
+        "--together",
+        type=int,
+        default=0,
+        metavar="N",
+        help="instead of --duration: N bursts per run, each user sending one request, all arriving together",
+    )
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--check", type=int, default=0, help="greedy outputs to compare with the in-process engine")
     ap.add_argument("--out", default="fly_load/results/sweep")
@@ -243,7 +294,10 @@ def main(argv=None) -> None:
     every: list[Record] = []
     for users in args.users:
         for method in methods:
-            records, s = run_level(args.host, method, users, args.duration, args.max_tokens)
+            if args.together:
+                records, s = run_bursts(args.host, method, users, args.together, args.max_tokens)
+            else:
+                records, s = run_level(args.host, method, users, args.duration, args.max_tokens)
             summary.setdefault(str(users), {})[method.name] = s
             every += records
             name = method.name.replace(":", "_").replace("=", "").replace(",", "_")

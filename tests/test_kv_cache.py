@@ -156,3 +156,31 @@ def test_budgets_give_the_expected_number_of_blocks():
             KVCache(2, 2, 16, torch.float32, **bad)
     budget = budget_from_device(0.25, "cpu")
     assert 0 < budget and Runner(MODEL, budget_bytes=budget // 1000).cache.n_blocks > 0
+
+
+def test_prefill_groups_join_similar_lags_within_the_caps():
+    from fly_serve.runner import prefill_groups
+
+    assert prefill_groups([]) == []
+    assert prefill_groups([50, 44, 47, 41]) == [[0, 2, 1, 3]]  # longest first; 200 padded, 18 padding
+    # 400 and 50: padding 350 of 800 is too much, so the short rows group apart
+    assert prefill_groups([50, 400, 45]) == [[1], [0, 2]]
+    # the padded size cap: 3 x 400 > 1024, so the third row opens a group of its own
+    assert prefill_groups([400, 400, 400], max_tokens=1024) == [[0, 1], [2]]
+    assert prefill_groups([2000, 30]) == [[0], [1]]  # a row above the cap alone, as before
+    groups = prefill_groups([7, 90, 33, 88, 31, 6, 89])
+    assert sorted(i for g in groups for i in g) == list(range(7))
+
+
+def test_catch_up_prefills_lagging_rows_together_and_the_logits_match():
+    r = runner()
+    keys, seqs = ["a", "b", "c", "d"], [seq(n, 10 + n) for n in (20, 22, 19, 3)]
+    feeds = []
+    feed = r.feed
+    r.feed = lambda k, t, **kw: feeds.append(list(k)) or feed(k, t, **kw)
+    r.catch_up(keys, seqs)
+    assert feeds == [["b", "a", "c"], ["d"]]  # "d" lags 3, over max_lag 1: padded to 22, apart
+    r.feed = feed
+    for key, s in zip(keys, seqs):
+        assert r.cache.tokens_held(key) == len(s) - 1  # the last token is the round's own
+    check(r, keys, [s + seq(2, 7) for s in seqs])  # every row's next logits equal the full forward's

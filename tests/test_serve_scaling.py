@@ -4,6 +4,7 @@ the pool, each ingress pinned to its own target; outputs equal the in-process en
 load sweep's own mechanics (fly_load/load_sweep.py, in a subprocess: Locust patches the process
 for gevent)."""
 
+import csv
 import json
 import subprocess
 import sys
@@ -122,3 +123,29 @@ def test_load_sweep_mechanics(url, tmp_path):
             assert s["tokens_per_s"] > 0 and s["p50_ttft_s"] <= s["p50_latency_s"]
         assert summary[users]["ar"]["drafts_per_round"] == [0.0] * summary[users]["ar"]["requests"]
     assert (tmp_path / "ar-u1.csv").is_file() and "| 2 | fly:k=auto |" in (tmp_path / "summary.md").read_text()
+
+
+def test_load_sweep_bursts_give_every_method_the_same_prompts(url, tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "fly_load.load_sweep", "--host", url, "--users", "3"]
+        + ["--methods", "ar", "fly:k=3", "--together", "2", "--max-tokens", "6", "--out", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    prompts = {}
+    for method, name in (("ar", "ar"), ("fly:k=3", "fly_k3")):
+        s = summary["3"][method]
+        assert s["requests"] == 6 and s["failures"] == 0 and s["tokens"] > 0, s  # 2 bursts of 3 users
+        with open(tmp_path / f"{name}-u3.csv") as f:
+            rows = list(csv.DictReader(f))
+        prompts[method] = sorted(int(r["prompt"]) for r in rows)
+        starts = sorted(float(r["start"]) for r in rows)
+        # a burst's 3 requests start together; the second burst after the first has finished
+        assert starts[2] - starts[0] < 1.0 and starts[3] > starts[2], starts
+        first = [r for r in rows if float(r["start"]) <= starts[2]]
+        assert all(float(r["start"]) + float(r["latency_s"]) <= starts[3] for r in first)
+    assert prompts["ar"] == prompts["fly:k=3"] == [0, 1, 2, 3, 4, 5]
