@@ -41,6 +41,7 @@ from locust.exception import StopUser
 from fly_bench.prompts import SWEEP_CHATS as PROMPTS
 
 SPAWN_AT_ONCE = 10_000  # users a second: a burst's users start within milliseconds of each other
+BURST_DEADLINE_S = 900  # a burst's requests unfinished by then count as failures
 
 
 @dataclass
@@ -116,17 +117,21 @@ def user_class(method: Method, users: int, max_tokens: int, records: list[Record
                 if r.status_code != 200:
                     r.failure(f"HTTP {r.status_code}: {r.text[:200]}")
                     return
-                for line in r.iter_lines(decode_unicode=True):
-                    if not line or not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    chunk = json.loads(line[len("data: ") :])
-                    for c in chunk.get("choices", []):
-                        piece = c.get("delta", {}).get("content") or ""
-                        if piece and ttft is None:
-                            ttft = time.perf_counter() - t0
-                        text.append(piece)
-                    if chunk.get("usage"):
-                        last = chunk
+                try:
+                    for line in r.iter_lines(decode_unicode=True):
+                        if not line or not line.startswith("data: ") or line == "data: [DONE]":
+                            continue
+                        chunk = json.loads(line[len("data: ") :])
+                        for c in chunk.get("choices", []):
+                            piece = c.get("delta", {}).get("content") or ""
+                            if piece and ttft is None:
+                                ttft = time.perf_counter() - t0
+                            text.append(piece)
+                        if chunk.get("usage"):
+                            last = chunk
+                except Exception as e:  # a stream cut or garbled mid-way: a failure of this request
+                    r.failure(f"stream broken: {type(e).__name__}: {e}")
+                    return
                 if last is None:
                     r.failure("no usage chunk")
                     return
@@ -175,9 +180,11 @@ def run_bursts(host: str, method: Method, users: int, bursts: int, max_tokens: i
         t0 = time.perf_counter()
         runner.start(users, spawn_rate=SPAWN_AT_ONCE)
         runner.spawning_greenlet.join()
-        runner.user_greenlets.join()  # each user stops after its one request
+        runner.user_greenlets.join(timeout=BURST_DEADLINE_S)  # each user stops after its one request
         wall += time.perf_counter() - t0
-        failures += env.stats.total.num_failures
+        failures += env.stats.total.num_failures + runner.user_count  # users still waiting: failed
+        if runner.user_count:
+            print(f"burst {burst}: {runner.user_count} requests unfinished after {BURST_DEADLINE_S} s", file=sys.stderr)
         runner.quit()
     return records, summarize(records, wall, failures)
 
@@ -285,6 +292,8 @@ def main(argv=None) -> None:
     ap.add_argument("--check", type=int, default=0, help="greedy outputs to compare with the in-process engine")
     ap.add_argument("--out", default="fly_load/results/sweep")
     args = ap.parse_args(argv)
+    if args.together < 0:
+        ap.error(f"--together: a number of bursts, 0 or more (got {args.together})")
     if urlparse(args.host).hostname not in ("127.0.0.1", "localhost"):
         sys.exit(f"--host: only 127.0.0.1 is allowed (got {args.host})")
     out = Path(args.out)

@@ -248,8 +248,14 @@ class Runner:
         The round's other rows are protected from eviction meanwhile."""
         lags = [len(toks) - self.cache.valid(key, toks) for key, toks in zip(keys, tokens)]
         behind = [b for b, lag in enumerate(lags) if lag > max_lag]
-        for group in prefill_groups([lags[b] for b in behind]):
+        for group in prefill_groups([lags[b] for b in behind], [len(tokens[b]) for b in behind]):
             rows = [behind[i] for i in group]
+            if self.cache.prefix_cache and len(rows) > 1:
+                # A block joins the prefix registry only once written: the group's first row goes
+                # alone, so the others adopt the prompt prefix they share with it (a chat
+                # template's system prompt) instead of each computing a private copy.
+                first, rows = rows[:1], rows[1:]
+                self.feed([keys[b] for b in first], [tokens[b][:-1] for b in first], logits=False, protect=keys)
             self.feed([keys[b] for b in rows], [tokens[b][:-1] for b in rows], logits=False, protect=keys)
 
     def release(self, keys):
@@ -257,28 +263,40 @@ class Runner:
 
 
 PREFILL_GROUP_TOKENS = 1024  # a grouped prefill's padded tokens at most (rows x longest lag)
-PREFILL_PADDING = 0.25  # and its padding at most this share of them
+PREFILL_GROUP_SCORES = 1 << 20  # and its attention at most this many query x key pairs
+PREFILL_PADDING = 0.25  # and its padding at most this share of its tokens
 
 
-def prefill_groups(lags: list[int], max_tokens: int = PREFILL_GROUP_TOKENS, padding: float = PREFILL_PADDING):
-    """Indices into lags, grouped for one padded prefill forward each: longest lag first, a row
-    joins the open group while the group's padded size (rows x its longest lag) stays within
-    max_tokens and its padding within `padding` of that size. On a CPU (and a GPU at small
-    batch) a forward reads every weight once whatever its rows, so 8 newcomers of ~50 tokens
-    prefill in about 0.65-0.9x the time of 8 forwards (docs/BENCHMARKS.md); the caps keep a long
-    prompt from padding short ones and a group's attention scores small (rows of different
-    starts take SDPA's math kernel, whose scores are rows x heads x T x keys)."""
+def prefill_groups(
+    lags: list[int],
+    lengths: list[int] | None = None,
+    *,
+    max_tokens: int = PREFILL_GROUP_TOKENS,
+    max_scores: int = PREFILL_GROUP_SCORES,
+    padding: float = PREFILL_PADDING,
+) -> list[list[int]]:
+    """Indices into lags (tokens a row must feed), grouped for one padded prefill forward each:
+    longest lag first, a row joins the open group while its padded tokens (rows x the longest
+    lag) stay within max_tokens, its padding within `padding` of them, and its attention (rows x
+    longest lag x longest of `lengths`, each row's whole sequence) within max_scores: rows of
+    different starts take SDPA's math kernel, whose scores per head are that product (a
+    one-row prefill from the start keeps the fused kernels). A row over a cap goes alone, as
+    every row did before grouping. On a CPU a forward reads every weight once whatever its rows:
+    8 rows of 40-46 tokens prefilled in 0.63-0.90x the time of 8 forwards (docs/BENCHMARKS.md)."""
+    lengths = lags if lengths is None else lengths
     order = sorted(range(len(lags)), key=lambda i: -lags[i])
     groups: list[list[int]] = []
-    real = 0
+    real = keys = 0
     for i in order:
         if groups:
             g = groups[-1]
             size = (len(g) + 1) * lags[g[0]]  # the group's longest lag is its first
-            if size <= max_tokens and size - (real + lags[i]) <= padding * size:
+            longest = max(keys, lengths[i])
+            fits = size <= max_tokens and size * longest <= max_scores
+            if fits and size - (real + lags[i]) <= padding * size:
                 g.append(i)
-                real += lags[i]
+                real, keys = real + lags[i], longest
                 continue
         groups.append([i])
-        real = lags[i]
+        real, keys = lags[i], lengths[i]
     return groups

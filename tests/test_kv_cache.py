@@ -168,8 +168,10 @@ def test_prefill_groups_join_similar_lags_within_the_caps():
     # the padded size cap: 3 x 400 > 1024, so the third row opens a group of its own
     assert prefill_groups([400, 400, 400], max_tokens=1024) == [[0, 1], [2]]
     assert prefill_groups([2000, 30]) == [[0], [1]]  # a row above the cap alone, as before
-    groups = prefill_groups([7, 90, 33, 88, 31, 6, 89])
-    assert sorted(i for g in groups for i in g) == list(range(7))
+    # attention: 3 rows x 100 padded x 300 keys = 90,000 pairs; a cap of 60,000 splits them 2 + 1
+    assert prefill_groups([100, 100, 100], [300, 200, 100]) == [[0, 1, 2]]
+    assert prefill_groups([100, 100, 100], [300, 200, 100], max_scores=60_000) == [[0, 1], [2]]
+    assert prefill_groups([7, 90, 33, 88, 31, 6, 89]) == [[1, 6, 3, 2], [4], [0, 5]]  # 33 in: 60 of 360 padding
 
 
 def test_catch_up_prefills_lagging_rows_together_and_the_logits_match():

@@ -216,3 +216,20 @@ def test_random_traffic_keeps_every_invariant_and_every_logit():
         held = {k: v for k, v in held.items() if k in r.cache.seq_of}
         invariants(r)
     assert r.cache.hit_tokens_total > 0
+
+
+def test_newcomers_prefilled_together_still_share_their_common_prefix():
+    r = runner(n_slots=8)
+    p = seq(18, 5)  # a shared "system prompt": 4 full blocks and 2 tokens
+    keys = ["a", "b", "c"]
+    seqs = [p + seq(n, 20 + n) for n in (9, 8, 7)]
+    feeds = []
+    feed = r.feed
+    r.feed = lambda k, t, **kw: feeds.append(list(k)) or feed(k, t, **kw)
+    r.catch_up(keys, seqs)
+    r.feed = feed
+    # the longest first, alone, so that its blocks are in the registry; the others then together
+    assert feeds == [["a"], ["b", "c"]]
+    assert r.cache.take_hits(keys) == [0, 16, 16]
+    assert blocks(r, "a")[:4] == blocks(r, "b")[:4] == blocks(r, "c")[:4]
+    check(r, keys, [s + seq(2, 9) for s in seqs])  # every row's next logits equal the full forward's

@@ -145,7 +145,7 @@ def test_load_sweep_bursts_give_every_method_the_same_prompts(url, tmp_path):
         prompts[method] = sorted(int(r["prompt"]) for r in rows)
         starts = sorted(float(r["start"]) for r in rows)
         # a burst's 3 requests start together; the second burst after the first has finished
-        assert starts[2] - starts[0] < 1.0 and starts[3] > starts[2], starts
+        assert starts[2] - starts[0] < 1.0, starts
         first = [r for r in rows if float(r["start"]) <= starts[2]]
         assert all(float(r["start"]) + float(r["latency_s"]) <= starts[3] for r in first)
     assert prompts["ar"] == prompts["fly:k=3"] == [0, 1, 2, 3, 4, 5]
