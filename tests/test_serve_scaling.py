@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import requests
@@ -105,17 +106,22 @@ def test_two_units_each_with_its_own_target(url, reference):
     assert all(a > b for a, b in zip(after, before)), (before, after)  # the proxy spread requests over both
 
 
-def test_load_sweep_mechanics(url, tmp_path):
-    out = subprocess.run(
-        [sys.executable, "-m", "fly_load.load_sweep", "--host", url, "--users", "1", "2"]
-        + ["--methods", "ar", "fly:k=auto", "--duration", "3", "--max-tokens", "8", "--out", str(tmp_path)],
+def sweep(url: str, out: Path, *args: str) -> dict:
+    """Run the load sweep against url into out; its summary.json."""
+    run = subprocess.run(
+        [sys.executable, "-m", "fly_load.load_sweep", "--host", url, "--out", str(out), *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=600,
     )
-    assert out.returncode == 0, out.stderr[-3000:]
-    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads((out / "summary.json").read_text())
+
+
+def test_load_sweep_mechanics(url, tmp_path):
+    args = ["--users", "1", "2", "--methods", "ar", "fly:k=auto", "--duration", "3", "--max-tokens", "8"]
+    summary = sweep(url, tmp_path, *args)
     for users in ("1", "2"):
         for method in ("ar", "fly:k=auto"):
             s = summary[users][method]
@@ -126,16 +132,7 @@ def test_load_sweep_mechanics(url, tmp_path):
 
 
 def test_load_sweep_bursts_give_every_method_the_same_prompts(url, tmp_path):
-    out = subprocess.run(
-        [sys.executable, "-m", "fly_load.load_sweep", "--host", url, "--users", "3"]
-        + ["--methods", "ar", "fly:k=3", "--together", "2", "--max-tokens", "6", "--out", str(tmp_path)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    summary = json.loads((tmp_path / "summary.json").read_text())
+    summary = sweep(url, tmp_path, "--users", "3", "--methods", "ar", "fly:k=3", "--together", "2", "--max-tokens", "6")
     prompts = {}
     for method, name in (("ar", "ar"), ("fly:k=3", "fly_k3")):
         s = summary["3"][method]
