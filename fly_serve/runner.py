@@ -244,8 +244,9 @@ class Runner:
         """Prefill the rows whose cache lags more than max_lag tokens behind, apart from the
         round's own forward, so that a joining sequence's prompt does not pad every other row of
         it; a short lag rides along in the round's forward instead. Lagging rows of similar lags
-        prefill together (prefill_groups): newcomers that arrive together read the weights once.
-        The round's other rows are protected from eviction meanwhile."""
+        prefill together (prefill_groups): newcomers that arrive together read the weights once
+        (twice with the prefix cache, below). The round's other rows are protected from eviction
+        meanwhile."""
         lags = [len(toks) - self.cache.valid(key, toks) for key, toks in zip(keys, tokens)]
         behind = [b for b, lag in enumerate(lags) if lag > max_lag]
         for group in prefill_groups([lags[b] for b in behind], [len(tokens[b]) for b in behind]):
