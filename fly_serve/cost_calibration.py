@@ -9,7 +9,7 @@ entry. A profile given explicitly (`speculation_profile`) overrides it.
 
   target    seconds of one verification by its shape, as the engine runs it: B rows of T tokens
             each (the last token and T - 1 drafts, over a context), B = 1, 2, 4, ... max_batch,
-            T = 1, 2, 4, ... k_max + 1 (the fastest of `reps` calls each). B one-token rows cost
+            T = 1, 2, 4, ... k_max + 1 (the fastest of `reps` passes each). B one-token rows cost
             otherwise than one row of B tokens (each attends its own context), so the batch
             shapes are measured rather than read off a one-row curve (round_cost.BatchVerify).
             The one-row points and the rows of k_max drafts also make the token curve.
@@ -196,16 +196,14 @@ def _random_drafts(rows: list[Row], k: int, vocab: int, gen: torch.Generator) ->
     return Drafts([torch.randint(vocab, (k,), generator=gen).tolist() for _ in rows], [None] * len(rows))
 
 
-def time_verify(scorer, rows: list[Row], k: int, reps: int, gen: torch.Generator) -> float:
-    """The fastest of `reps` verifications of these rows with k fresh random drafts each: the
-    machine's cost without interference (a uniformly slower host does not change the plan)."""
-    best = float("inf")
-    for _ in range(reps):
-        drafts = _random_drafts(rows, k, scorer.vocab_size, gen)
-        t0 = time.perf_counter()
-        scorer.verify(rows, drafts)
-        best = min(best, time.perf_counter() - t0)
-    return best
+def time_verify(scorer, rows: list[Row], k: int, gen: torch.Generator) -> float:
+    """Seconds of one verification of these rows with k fresh random drafts each. The calibration
+    keeps each shape's fastest pass (measure_profile): the machine's cost without interference (a
+    uniformly slower host does not change the plan)."""
+    drafts = _random_drafts(rows, k, scorer.vocab_size, gen)
+    t0 = time.perf_counter()
+    scorer.verify(rows, drafts)
+    return time.perf_counter() - t0
 
 
 def time_draft(drafter, rows: list[Row]) -> tuple[float, float, float]:
@@ -283,7 +281,7 @@ def measure_profile(
         done, total = 0, reps * (len(shapes) + (len(batch_rows) if drafting else 0))
         for n in range(1, reps + 1):
             for b, t in shapes:
-                took = _under(stages, "verify", draft_load, time_verify, scorer, rows[:b], t - 1, 1, gen)
+                took = _under(stages, "verify", draft_load, time_verify, scorer, rows[:b], t - 1, gen)
                 grid[b, t] = min(grid.get((b, t), took), took)
                 done += 1
                 progress(

@@ -251,13 +251,12 @@ class Runner:
         behind = [b for b, lag in enumerate(lags) if lag > max_lag]
         for group in prefill_groups([lags[b] for b in behind], [len(tokens[b]) for b in behind]):
             rows = [behind[i] for i in group]
-            if self.cache.prefix_cache and len(rows) > 1:
-                # A block joins the prefix registry only once written: the group's first row goes
-                # alone, so the others adopt the prompt prefix they share with it (a chat
-                # template's system prompt) instead of each computing a private copy.
-                first, rows = rows[:1], rows[1:]
-                self.feed([keys[b] for b in first], [tokens[b][:-1] for b in first], logits=False, protect=keys)
-            self.feed([keys[b] for b in rows], [tokens[b][:-1] for b in rows], logits=False, protect=keys)
+            # A block joins the prefix registry only once written: with the prefix cache the
+            # group's first row goes alone, so the others adopt the prompt prefix they share with
+            # it (a chat template's system prompt) instead of each computing a private copy.
+            parts = [rows[:1], rows[1:]] if self.cache.prefix_cache and len(rows) > 1 else [rows]
+            for part in parts:
+                self.feed([keys[b] for b in part], [tokens[b][:-1] for b in part], logits=False, protect=keys)
 
     def release(self, keys):
         self.cache.release(keys)
