@@ -27,7 +27,8 @@ def build(args: AppArgs | dict | None = None) -> Application:
     ingress = Ingress.options(
         **serve_limits(a.max_batch, a.max_waiting), num_replicas=a.units, request_router_config=router_config()
     )
-    return ingress.bind(bind_target(a), drafter_app, args=a)
+    target_app = bind_target(a) if a.target_placement == "replica" else None  # else in the ingress
+    return ingress.bind(target_app, drafter_app, args=a)
 
 
 def bind_target(a: AppArgs):

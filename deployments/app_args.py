@@ -5,7 +5,7 @@ laid out and how it stays up."""
 import json
 from typing import Literal
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, SecretStr, field_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from fly_serve.config import EngineConfig
 from fly_serve.weights import DEFAULT_DRAFTER, DEFAULT_TARGET
@@ -44,6 +44,10 @@ class AppArgs(BaseModel):
     # composition, for GPUs), or inside the ingress process behind the same Drafter protocol
     # (no call per round: for a CPU node whose cores the processes share).
     drafter_placement: Literal["replica", "ingress"] = "replica"
+    # Where the target runs: its own replica (TP ranks behind it; the design's composition, for
+    # GPUs), or, with tp_size 1, inside the ingress process too: one process computes, with one
+    # OpenMP team, and a round makes no call (for a CPU node, where each Ray process costs cores).
+    target_placement: Literal["replica", "ingress"] = "replica"
     # Drafting calls per round: one per live drafter replica, at most this many (replica_pool.py)
     affinity_groups: int = Field(8, ge=1)
     # The drafter pool's autoscaling_config, replacing the deployment's (which scales on busy time
@@ -88,6 +92,19 @@ class AppArgs(BaseModel):
     )
     # required as "Authorization: Bearer <key>" on /v1; $FLY_API_KEY wins. SecretStr: never printed
     api_key: SecretStr | None = None
+
+    @model_validator(mode="after")
+    def _target_in_ingress(self):
+        if self.target_placement != "ingress":
+            return self
+        if self.tp_size != 1:
+            raise ValueError(f"target_placement 'ingress' runs one rank: tp_size must be 1, got {self.tp_size}")
+        if self.drafter_placement == "ingress" and self.drafter_threads not in (None, self.target_threads):
+            raise ValueError(
+                "drafter_threads: with the target and the drafter both in the ingress one OpenMP team runs"
+                " both models; set target_threads"
+            )
+        return self
 
     @field_validator("tp_worker_options", "defaults", "speculation_profile", "drafter_autoscaling", mode="before")
     @classmethod

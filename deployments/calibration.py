@@ -29,6 +29,8 @@ def calibrate_served(engine: Engine, args: AppArgs) -> None:
         target_threads=args.target_threads,
         drafter_threads=args.drafter_threads,
         drafter_placement=args.drafter_placement,
+        # named only when in the ingress: the caches of the replica shapes stay valid
+        **({"target_placement": "ingress"} if args.target_placement == "ingress" else {}),
     )
     try:
         calibrate_engine(engine, key, progress=lambda line: log.info("fly: %s", line))

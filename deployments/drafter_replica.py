@@ -45,6 +45,9 @@ HEALTH_CHECK_TIMEOUT_S = 30.0
     name="FlyDrafter",
     ray_actor_options={"num_cpus": 0.5},
     max_ongoing_requests=16,
+    # no access-log line for each round's call: on a CPU node every line wakes the log monitor,
+    # the GCS and the driver (errors and the replica's own logs still go to its log file)
+    logging_config={"enable_access_log": False},
     # Profiles raise max_replicas; the pool then scales on busy time (BusyPolicy), not requests.
     autoscaling_config={
         "min_replicas": 1,

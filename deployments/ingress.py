@@ -3,7 +3,9 @@
 The Engine here is the in-process one; its target is a proxy to the target deployment and its
 drafter a proxy to the drafter pool (or, with drafter_placement "ingress", the draft model in
 this process), so verification runs in its own replica while the decide step (FLy's gate and
-window, tensor ops over the batch) runs here, between the calls.
+window, tensor ops over the batch) runs here, between the calls. With target_placement "ingress"
+(tp_size 1) the target is loaded here too: the CPU profile's shape, where one process computing
+beats two processes taking turns on the same cores.
 
 What runs before a handler is middleware.py (request ids, the API key, exceptions to OpenAI error
 bodies and the failure metric, errors.py). A generation's way through its handler, each step able
@@ -26,7 +28,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 
-from fly_serve.build import assemble_engine, load_drafter
+from fly_serve.build import assemble_engine, load_drafter, load_scorer
 from fly_serve.devices import device_for
 from fly_serve.loading import load_tokenizer, set_threads
 from fly_serve.params import ParamError
@@ -114,25 +116,33 @@ class Ingress:
         unit = unit_rank(ctx)
         api_key = resolve_api_key(args.api_key.get_secret_value() if args.api_key else None)
         api.state.fly = Guard(api_key, self.errors, unit)
-        target_handle = target_handle.options(multiplexed_model_id=group_tag(unit))
         tokenizer = load_tokenizer(config.target)
-        scorer = RemoteScorer(target_handle, len(tokenizer), args.call_timeout_s)
+        if target_handle is not None:
+            target_handle = target_handle.options(multiplexed_model_id=group_tag(unit))
         self.drafter_handle = drafter_handle
         local = drafter_handle is None and args.drafter_placement == "ingress" and config.drafter
 
         def build_engine():
+            device = device_for(ray.get_gpu_ids())
+            if target_handle is None:  # target_placement "ingress": one OpenMP team for both models
+                set_threads(args.target_threads or threads_from_ray())
+                scorer = load_scorer(config, device=device)
+            else:
+                scorer = RemoteScorer(target_handle, len(tokenizer), args.call_timeout_s)
             if drafter_handle is not None:  # one drafting call per live drafter replica each round (replica_pool.py)
                 live = LiveReplicas(ctx.app_name, "FlyDrafter")
                 drafter = RemoteDrafter(drafter_handle, args.affinity_groups, args.call_timeout_s, live)
             elif local:
-                set_threads(args.drafter_threads or threads_from_ray())
-                drafter = load_drafter(config, device=device_for(ray.get_gpu_ids()))
+                if target_handle is not None:  # else the target's threads are the drafter's (one team)
+                    set_threads(args.drafter_threads or threads_from_ray())
+                drafter = load_drafter(config, device=device)
             else:
                 drafter = None
             return assemble_engine(config, scorer, drafter, tokenizer)
 
-        # The loop's thread loads the drafter and runs every round: the process's torch work on one
-        # thread (threads.py). The prober is made next; no round can fail before a request comes.
+        # The loop's thread loads the local parts (drafter, target) and runs every round: the
+        # process's torch work on one thread (threads.py). The prober is made next; no round can
+        # fail before a request comes.
         self.loop = EngineLoop(
             build_engine, self.metrics, args.stuck_round_s, on_round_failed=lambda why: self.prober.round_failed(why)
         )
@@ -155,7 +165,8 @@ class Ingress:
 
     @staticmethod
     def _parts(target_handle, drafter_handle) -> list[Part]:
-        parts = [Part("target", lambda: target_handle.healthy.remote())]
+        """The remote parts the prober watches (a part in this process answers if the loop does)."""
+        parts = [] if target_handle is None else [Part("target", lambda: target_handle.healthy.remote())]
         if drafter_handle is not None:
             parts.append(Part("drafter pool", lambda: drafter_handle.healthy.remote()))
         return parts

@@ -273,6 +273,9 @@ class RayTPTarget:
     ray_actor_options={"num_cpus": 0.2},
     max_ongoing_requests=16,
     autoscaling_config={"min_replicas": 1, "max_replicas": 1},
+    # no access-log line for each round's call: on a CPU node every line wakes the log monitor,
+    # the GCS and the driver (errors and the replica's own logs still go to its log file)
+    logging_config={"enable_access_log": False},
     health_check_period_s=HEALTH_CHECK_PERIOD_S,
     health_check_timeout_s=HEALTH_CHECK_TIMEOUT_S,
     # a caller's round in progress finishes before the replica goes

@@ -15,8 +15,8 @@ ROOT = Path(__file__).resolve().parent.parent
 DEPLOYMENTS = ROOT / "deployments"
 CLUSTER = ROOT / "cluster.yaml"
 GPU_WORKER = {"num_cpus": 2, "num_gpus": 1, "resources": {"fly_target_gpu": 1}}
-PROFILES = ["cpu-default.yaml", "cpu-tp2.yaml", "llama-70b.yaml", "llama-405b.yaml"]
-TP_PROFILES = [p for p in PROFILES if p != "cpu-default.yaml"]  # tp_size > 1: their bundles are in the YAML
+PROFILES = ["cpu-default.yaml", "cpu-target-replica.yaml", "cpu-tp2.yaml", "llama-70b.yaml", "llama-405b.yaml"]
+TP_PROFILES = PROFILES[2:]  # tp_size > 1: their bundles are in the YAML
 
 
 def load(name):
@@ -159,6 +159,13 @@ def test_render_llama_405b_needs_the_8gpu_node():
 
 def test_cpu_default_fits_two_cores():
     rendered = render_placement(DEPLOYMENTS / "cpu-default.yaml")
+    assert rendered["total"]["CPU"] <= 2
+    assert "GPU" not in rendered["total"]
+    assert set(rendered["applications"]["fly"]["deployments"]) == {"FlyIngress"}  # the target is in it
+
+
+def test_cpu_target_replica_fits_two_cores():
+    rendered = render_placement(DEPLOYMENTS / "cpu-target-replica.yaml")
     assert rendered["total"]["CPU"] <= 2
     assert "GPU" not in rendered["total"]
     assert rendered["applications"]["fly"]["deployments"]["FlyTarget"]["bundles"] is None  # TP=1: no group

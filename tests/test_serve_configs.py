@@ -71,6 +71,19 @@ def test_profile_keys_reach_the_target_and_drafter():
     assert target.init_kwargs["startup_timeout_s"] == AppArgs().tp_startup_timeout_s
 
 
+def test_a_target_in_the_ingress_is_one_rank_and_no_deployment():
+    app = build({"tiny": True, "target_placement": "ingress", "drafter_placement": "ingress"})
+    assert [d.name for d in build_app(app, name="fly").deployments] == ["FlyIngress"]
+    app = build({"tiny": True, "target_placement": "ingress"})  # the drafter pool stays a deployment
+    assert {d.name for d in build_app(app, name="fly").deployments} == {"FlyIngress", "FlyDrafter"}
+    with pytest.raises(ValidationError, match="target_placement 'ingress' runs one rank: tp_size must be 1, got 2"):
+        AppArgs(target_placement="ingress", tp_size=2)
+    both = {"target_placement": "ingress", "drafter_placement": "ingress", "target_threads": 2}
+    with pytest.raises(ValidationError, match="drafter_threads: with the target and the drafter both in the ingress"):
+        AppArgs(**both, drafter_threads=1)
+    assert AppArgs(**both, drafter_threads=2).drafter_threads == 2  # the same count says nothing new
+
+
 def test_old_timeout_names_are_still_accepted():
     a = AppArgs(remote_timeout_s=5, round_timeout_s=6, target_round_timeout_s=7, target_ping_timeout_s=8)
     assert (a.call_timeout_s, a.stuck_round_s, a.rank_call_timeout_s, a.rank_ping_timeout_s) == (5, 6, 7, 8)

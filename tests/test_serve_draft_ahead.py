@@ -1,7 +1,8 @@
 """Draft-ahead through Ray Serve on tiny models: the drafter pool's call for the next round and the
 target replica's verify are in flight together, the drafter's guesses and its guessed tails
 travel through the remote parts (remote_parts.py, row_history.py), and the outputs are the
-sequential in-process engine's, greedy and seeded."""
+sequential in-process engine's, greedy and seeded; the same with the drafter in the ingress, and
+with both models there."""
 
 import pytest
 import requests
@@ -16,11 +17,14 @@ APP = {"tiny": True, "tp_size": 1, "max_batch": 4, "draft_ahead": True, "default
 PROMPTS = ["def add(a, b):\n    return", "hello hello hello"]
 
 
-@pytest.fixture(scope="module", params=["replica", "ingress"])
+@pytest.fixture(scope="module", params=[("replica", "replica"), ("ingress", "replica"), ("ingress", "ingress")])
 def url(request):
-    """The drafter pool (two remote calls in flight together) and the drafter in the ingress
-    (cpu-default.yaml's shape: it drafts on the engine's drafter thread during the remote verify)."""
-    base = start_serve({**APP, "drafter_placement": request.param})
+    """(drafter, target) placements: the drafter pool (two remote calls in flight together), the
+    drafter in the ingress (cpu-target-replica.yaml's shape: it drafts on the engine's drafter
+    thread during the remote verify), and both models in the ingress (cpu-default.yaml's: the
+    drafter thread drafts while the engine thread verifies, in one process)."""
+    drafter, target = request.param
+    base = start_serve({**APP, "drafter_placement": drafter, "target_placement": target})
     yield base
     stop_serve()
 

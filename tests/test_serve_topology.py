@@ -1,6 +1,7 @@
-"""The CPU topology option (deployments/cpu-default.yaml's shape) through Ray Serve on tiny models:
-a TP = 1 target and the draft model in the ingress process (drafter_placement: ingress) give
-the in-process engine's outputs, with no drafter deployment."""
+"""The CPU topologies through Ray Serve on tiny models: the draft model in the ingress process
+(drafter_placement: ingress) and the TP = 1 target in a replica of its own
+(cpu-target-replica.yaml's shape) or in the ingress too (target_placement: ingress,
+cpu-default.yaml's) give the in-process engine's outputs, with no deployment but those."""
 
 import pytest
 import requests
@@ -14,11 +15,25 @@ APP = {"tiny": True, "tp_size": 1, "drafter_placement": "ingress", "max_batch": 
 PROMPTS = ["def add(a, b):\n    return", "hello hello hello"]
 
 
-@pytest.fixture(scope="module")
-def url():
-    base = start_serve(APP)
-    yield base
+DEPLOYMENTS = {"replica": {"FlyIngress", "FlyTarget"}, "ingress": {"FlyIngress"}}
+
+
+@pytest.fixture(scope="module", params=["replica", "ingress"])
+def served(request):
+    """(where the target is, the app's URL)."""
+    base = start_serve({**APP, "target_placement": request.param})
+    yield request.param, base
     stop_serve()
+
+
+@pytest.fixture
+def placement(served):
+    return served[0]
+
+
+@pytest.fixture
+def url(served):
+    return served[1]
 
 
 def wait_ready(url: str) -> None:
@@ -31,11 +46,11 @@ def wait_ready(url: str) -> None:
 
 
 @pytest.mark.parametrize("mode", ["fly", "spd", "ar"])
-def test_drafter_in_the_ingress_gives_the_engines_outputs(url, mode):
+def test_drafter_in_the_ingress_gives_the_engines_outputs(url, placement, mode):
     from ray import serve
 
     wait_ready(url)
-    assert set(serve.status().applications["fly"].deployments) == {"FlyIngress", "FlyTarget"}
+    assert set(serve.status().applications["fly"].deployments) == DEPLOYMENTS[placement]
     engine = build_engine("tiny:0", "tiny:1", max_model_len=1024)
     fly = {"mode": mode, "k": 4}
     for prompt in PROMPTS:

@@ -11,9 +11,12 @@ drafts, and draft / verify milliseconds per round. Then the same greedy default 
 times plain and once streamed: how many different texts came back (one is the promise). Writes
 results.json and summary.md; speed is compared only as ratios within the run.
 
-`--alternate N` runs the whole sequence N times (one process, then each profile, again), and the
-table gives each cell's median over the passes, with the ratios to one process pass by pass: this
-VM's speed drifts by 20-30% within minutes, which a single pass reads as a difference of places.
+`--cells ar/code default/code` measures only those (method/prompt) cells: shorter passes.
+
+`--alternate N` runs the whole sequence N times (one process, then each profile; every other pass
+in the reverse order), and the table gives each cell's median over the passes, with the ratios to
+one process pass by pass: this VM's speed drifts by 20-30% within minutes, which a single pass
+reads as a difference of places.
 """
 
 import argparse
@@ -43,6 +46,15 @@ REWRITE = (
 PROMPTS = {"code": CODE, "rewrite": REWRITE}
 METHODS = {"ar": {"mode": "ar"}, "default": {}, "fly_k15": {"mode": "fly", "k": 15, "theta": 0.3, "window": 6}}
 REPEATS = 3  # plain requests of the determinism check (plus one streamed)
+CELLS = [f"{m}/{p}" for m in METHODS for p in PROMPTS]  # "method/prompt"
+
+
+def method_of(cell: str) -> str:
+    return cell.split("/")[0]
+
+
+def prompt_of(cell: str) -> str:
+    return cell.split("/")[1]
 
 
 def profile_args(config: str) -> dict:
@@ -62,7 +74,7 @@ def row(tokens: int, wall_s: float, fly: dict) -> dict:
 
 
 # ---- in process
-def in_process(config: str, max_tokens: int, tiny: bool) -> dict:
+def in_process(config: str, max_tokens: int, tiny: bool, cells: list[str]) -> dict:
     from fly_serve.build import build_engine
     from fly_serve.params import Params
     from fly_serve.prompts import chat_prompt
@@ -76,13 +88,12 @@ def in_process(config: str, max_tokens: int, tiny: bool) -> dict:
         defaults=Params.from_dict(a.get("defaults", {})),
     )
     out = {}
-    for method, knobs in METHODS.items():
-        for name, text in PROMPTS.items():
-            ids = chat_prompt(engine.tokenizer, text)
-            engine.generate([ids], {**knobs, "max_tokens": 8})  # warm-up
-            t = time.perf_counter()
-            [req] = engine.generate([ids], {**knobs, "max_tokens": max_tokens})
-            out[f"{method}/{name}"] = row(len(req.generated), time.perf_counter() - t, req.stats.as_dict())
+    for cell in cells:
+        knobs, ids = METHODS[method_of(cell)], chat_prompt(engine.tokenizer, PROMPTS[prompt_of(cell)])
+        engine.generate([ids], {**knobs, "max_tokens": 8})  # warm-up
+        t = time.perf_counter()
+        [req] = engine.generate([ids], {**knobs, "max_tokens": max_tokens})
+        out[cell] = row(len(req.generated), time.perf_counter() - t, req.stats.as_dict())
     return out
 
 
@@ -128,20 +139,23 @@ def serving(config: str, port: int, tiny: bool):
         server.wait(timeout=300)
 
 
-def in_process_child(config: str, max_tokens: int, tiny: bool) -> dict:
+def in_process_child(config: str, max_tokens: int, tiny: bool, cells: list[str]) -> dict:
     cmd = [sys.executable, "-m", __spec__.name, "--in-process-only", config, "--max-tokens", str(max_tokens)]
+    cmd += ["--cells", *cells]
     done = subprocess.run(cmd + ["--tiny"] * tiny, check=True, capture_output=True, text=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def through_serve(config: str, max_tokens: int, port: int, tiny: bool, same_text: bool = True) -> dict:
+def through_serve(
+    config: str, max_tokens: int, port: int, tiny: bool, cells: list[str], same_text: bool = True
+) -> dict:
     with serving(config, port, tiny) as url:
         out = {}
-        for method, knobs in METHODS.items():
-            for name, text in PROMPTS.items():
-                chat(url, text, knobs, 8)  # warm-up
-                _, tokens, fly, wall = chat(url, text, knobs, max_tokens)
-                out[f"{method}/{name}"] = row(tokens, wall, fly)
+        for cell in cells:
+            knobs, text = METHODS[method_of(cell)], PROMPTS[prompt_of(cell)]
+            chat(url, text, knobs, 8)  # warm-up
+            _, tokens, fly, wall = chat(url, text, knobs, max_tokens)
+            out[cell] = row(tokens, wall, fly)
         out["stats"] = requests.get(f"{url}/v1/fly/stats", timeout=60).json()
         if not same_text:
             return out
@@ -180,31 +194,25 @@ def pass_ratios(passes: list[dict]) -> list[str]:
         if base is None:
             continue
         for where, res in runs.items():
-            if where == "one process":
-                continue
-            cells = [
-                f"{m} {res[f'{m}/code']['tok_s'] / base[f'{m}/code']['tok_s']:.2f}x "
-                f"({res[f'{m}/rewrite']['tok_s'] / base[f'{m}/rewrite']['tok_s']:.2f}x)"
-                for m in METHODS
-            ]
-            lines.append(f"- pass {i + 1}, {where} / one process: " + ", ".join(cells))
+            if where != "one process":
+                cells = [f"{c} {res[c]['tok_s'] / base[c]['tok_s']:.2f}x" for c in base]
+                lines.append(f"- pass {i + 1}, {where} / one process: " + ", ".join(cells))
     return lines
 
 
 # ---- report
 def summary(result: dict) -> str:
+    cells = result["cells"]
     lines = [
         f"CPU: {result['cpu']}; bf16 instructions: {result['bf16']}; max_tokens {result['max_tokens']}",
         "",
-        "| where | " + " | ".join(f"{m} code (rewrite)" for m in METHODS) + " | fly_k15 draft / verify ms a round |",
-        "|---|" + "---|" * (len(METHODS) + 1),
+        "| where | " + " | ".join(f"{c} tok/s" for c in cells) + " | draft / verify ms a round, each cell |",
+        "|---|" + "---|" * (len(cells) + 1),
     ]
     for where, res in result["runs"].items():
-        cells = [f"{res[f'{m}/code']['tok_s']} ({res[f'{m}/rewrite']['tok_s']})" for m in METHODS]
-        f = res["fly_k15/code"]
-        lines.append(
-            f"| {where} | " + " | ".join(cells) + f" | {f['draft_ms_per_round']} / {f['verify_ms_per_round']} |"
-        )
+        speeds = " | ".join(str(res[c]["tok_s"]) for c in cells)
+        ms = ", ".join(f"{res[c]['draft_ms_per_round']} / {res[c]['verify_ms_per_round']}" for c in cells)
+        lines.append(f"| {where} | {speeds} | {ms} |")
     lines.append("")
     lines += pass_ratios(result.get("passes", []))
     for where, res in result["runs"].items():
@@ -236,22 +244,28 @@ def main() -> None:
     p.add_argument(
         "--alternate", type=int, default=1, choices=range(1, 11), metavar="N", help="passes over every place (medians)"
     )
+    p.add_argument("--cells", nargs="+", default=CELLS, choices=CELLS, metavar="METHOD/PROMPT", help=" ".join(CELLS))
     p.add_argument("--in-process-only", help=argparse.SUPPRESS)  # the child process's own phase
     args = p.parse_args()
     if args.in_process_only:
-        print(json.dumps(in_process(args.in_process_only, args.max_tokens, args.tiny)))
+        print(json.dumps(in_process(args.in_process_only, args.max_tokens, args.tiny, args.cells)))
         return
     name, bf16 = cpu()
-    result = {"cpu": name, "bf16": bf16, "max_tokens": args.max_tokens, "runs": {}, "passes": []}
+    result = {"cpu": name, "bf16": bf16, "max_tokens": args.max_tokens, "cells": args.cells, "runs": {}, "passes": []}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    places = ([] if args.skip_in_process else [None]) + args.configs  # None: one process
     for i in range(args.alternate):
         runs = {}
         result["passes"].append(runs)
-        if not args.skip_in_process:  # a child process: its threads and memory are gone before Serve starts
-            runs["one process"] = in_process_child(args.configs[0], args.max_tokens, args.tiny)
-        for config in args.configs:
-            runs[f"Serve, {Path(config).stem}"] = through_serve(config, args.max_tokens, args.port, args.tiny, i == 0)
+        # every other pass in the reverse order: a drift that runs one way through a pass then
+        # favours each place once
+        for config in places if i % 2 == 0 else places[::-1]:
+            if config is None:  # a child process: its threads and memory are gone before Serve starts
+                runs["one process"] = in_process_child(args.configs[0], args.max_tokens, args.tiny, args.cells)
+            else:
+                serve = through_serve(config, args.max_tokens, args.port, args.tiny, args.cells, i == 0)
+                runs[f"Serve, {Path(config).stem}"] = serve
             (out / "results.json").write_text(json.dumps(result, indent=1))
     result["runs"] = median_runs(result["passes"])
     (out / "results.json").write_text(json.dumps(result, indent=1))
