@@ -49,14 +49,6 @@ REPEATS = 3  # plain requests of the determinism check (plus one streamed)
 CELLS = [f"{m}/{p}" for m in METHODS for p in PROMPTS]  # "method/prompt"
 
 
-def method_of(cell: str) -> str:
-    return cell.split("/")[0]
-
-
-def prompt_of(cell: str) -> str:
-    return cell.split("/")[1]
-
-
 def profile_args(config: str) -> dict:
     return yaml.safe_load(Path(config).read_text())["applications"][0]["args"]
 
@@ -89,7 +81,8 @@ def in_process(config: str, max_tokens: int, tiny: bool, cells: list[str]) -> di
     )
     out = {}
     for cell in cells:
-        knobs, ids = METHODS[method_of(cell)], chat_prompt(engine.tokenizer, PROMPTS[prompt_of(cell)])
+        method, prompt = cell.split("/")
+        knobs, ids = METHODS[method], chat_prompt(engine.tokenizer, PROMPTS[prompt])
         engine.generate([ids], {**knobs, "max_tokens": 8})  # warm-up
         t = time.perf_counter()
         [req] = engine.generate([ids], {**knobs, "max_tokens": max_tokens})
@@ -152,7 +145,8 @@ def through_serve(
     with serving(config, port, tiny) as url:
         out = {}
         for cell in cells:
-            knobs, text = METHODS[method_of(cell)], PROMPTS[prompt_of(cell)]
+            method, prompt = cell.split("/")
+            knobs, text = METHODS[method], PROMPTS[prompt]
             chat(url, text, knobs, 8)  # warm-up
             _, tokens, fly, wall = chat(url, text, knobs, max_tokens)
             out[cell] = row(tokens, wall, fly)
