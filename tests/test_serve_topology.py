@@ -26,16 +26,6 @@ def served(request):
     stop_serve()
 
 
-@pytest.fixture
-def placement(served):
-    return served[0]
-
-
-@pytest.fixture
-def url(served):
-    return served[1]
-
-
 def wait_ready(url: str) -> None:
     import time
 
@@ -46,9 +36,10 @@ def wait_ready(url: str) -> None:
 
 
 @pytest.mark.parametrize("mode", ["fly", "spd", "ar"])
-def test_drafter_in_the_ingress_gives_the_engines_outputs(url, placement, mode):
+def test_drafter_in_the_ingress_gives_the_engines_outputs(served, mode):
     from ray import serve
 
+    placement, url = served
     wait_ready(url)
     assert set(serve.status().applications["fly"].deployments) == DEPLOYMENTS[placement]
     engine = build_engine("tiny:0", "tiny:1", max_model_len=1024)
@@ -64,12 +55,13 @@ def test_drafter_in_the_ingress_gives_the_engines_outputs(url, placement, mode):
         assert stats["drafter_cache"]["forwards"] > 0  # the ingress's own draft model drafted
 
 
-def test_a_greedy_request_repeated_alone_gets_one_text_plain_or_streamed(url):
+def test_a_greedy_request_repeated_alone_gets_one_text_plain_or_streamed(served):
     """k auto plans from the frozen cost profile and the row's own history, never from the clock:
     the same greedy request sent alone, three times plain and once streamed, gets the same ks
     round by round (so the same rounds and drafts) and one text (issue 19's served default)."""
     import json
 
+    _, url = served
     wait_ready(url)
     body = {
         "messages": [{"role": "user", "content": "count: one two three four"}],
