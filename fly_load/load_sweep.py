@@ -11,6 +11,10 @@ the users are the requests in flight. With `--together N` a run is N bursts inst
 arrive together, each sends one request, and the next burst starts when all have finished; user
 j of burst n gets prompt j + n x users, so every method sees the same prompts (a paired
 comparison, where a closed loop's methods each get whichever prompts its timing hands them).
+The methods' bursts at a level take turns (burst n of every method, in reverse order every other
+n), so a drift of the host's speed over the level reaches every method alike; each burst's
+makespan is kept (summary.json "bursts_s"), and the table's "x ar (bursts)" is the median over
+bursts of the method's tok/s against ar's in the same burst.
 
 Per run: tokens/s (completion tokens from the responses' usage over the run's wall time), p50 /
 p99 latency, p50 / p99 time to first token, and the drafts per round each request got (with k
@@ -169,24 +173,45 @@ def run_level(host: str, method: Method, users: int, duration_s: float, max_toke
     return records, summarize(records, wall, failures)
 
 
-def run_bursts(host: str, method: Method, users: int, bursts: int, max_tokens: int) -> tuple[list[Record], dict]:
+def run_bursts(host: str, methods: list[Method], users: int, bursts: int, max_tokens: int) -> dict[str, tuple]:
     """`bursts` times, `users` requests that arrive together (one per user, spawned at once) and
-    all finish before the next burst; the wall is the sum of the bursts' makespans."""
-    records: list[Record] = []
-    wall, failures = 0.0, 0
+    all finish before the next burst, for every method in turn (reversed every other burst).
+    Returns, per method, (records, summary): its wall is the sum of its bursts' makespans."""
+    records: dict[str, list[Record]] = {m.name: [] for m in methods}
+    makespans: dict[str, list[float]] = {m.name: [] for m in methods}
+    failures = dict.fromkeys(records, 0)
+    tokens: dict[str, list[int]] = {m.name: [] for m in methods}
     for burst in range(bursts):
-        env = Environment(user_classes=[user_class(method, users, max_tokens, records, burst)], host=host)
-        runner = env.create_local_runner()
-        t0 = time.perf_counter()
-        runner.start(users, spawn_rate=SPAWN_AT_ONCE)
-        runner.spawning_greenlet.join()
-        runner.user_greenlets.join(timeout=BURST_DEADLINE_S)  # each user stops after its one request
-        wall += time.perf_counter() - t0
-        failures += env.stats.total.num_failures + runner.user_count  # users still waiting: failed
-        if runner.user_count:
-            print(f"burst {burst}: {runner.user_count} requests unfinished after {BURST_DEADLINE_S} s", file=sys.stderr)
-        runner.quit()
-    return records, summarize(records, wall, failures)
+        for method in methods if burst % 2 == 0 else methods[::-1]:
+            mine = records[method.name]
+            before = len(mine)
+            wall, failed = one_burst(host, method, users, burst, max_tokens, mine)
+            makespans[method.name].append(wall)
+            tokens[method.name].append(sum(r.tokens for r in mine[before:]))
+            failures[method.name] += failed
+    out = {}
+    for m in methods:
+        s = summarize(records[m.name], sum(makespans[m.name]), failures[m.name])
+        s["bursts_s"] = [round(w, 2) for w in makespans[m.name]]
+        s["burst_tokens"] = tokens[m.name]
+        out[m.name] = (records[m.name], s)
+    return out
+
+
+def one_burst(host: str, method: Method, users: int, burst: int, max_tokens: int, records: list[Record]):
+    """One burst of `method`: (its makespan in seconds, its failed or unfinished requests)."""
+    env = Environment(user_classes=[user_class(method, users, max_tokens, records, burst)], host=host)
+    runner = env.create_local_runner()
+    t0 = time.perf_counter()
+    runner.start(users, spawn_rate=SPAWN_AT_ONCE)
+    runner.spawning_greenlet.join()
+    runner.user_greenlets.join(timeout=BURST_DEADLINE_S)  # each user stops after its one request
+    wall = time.perf_counter() - t0
+    failed = env.stats.total.num_failures + runner.user_count  # users still waiting: failed
+    if runner.user_count:
+        print(f"burst {burst}: {runner.user_count} requests unfinished after {BURST_DEADLINE_S} s", file=sys.stderr)
+    runner.quit()
+    return wall, failed
 
 
 def pct(values: list[float], q: float) -> float:
@@ -217,19 +242,33 @@ def summarize(records: list[Record], wall_s: float, failures: int) -> dict:
 
 def table(summary: dict) -> str:
     lines = [
-        "| users | method | tok/s | x ar | p50 s | p99 s | TTFT p50 s | tau | drafts/round (median) | requests |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| users | method | tok/s | x ar | x ar (bursts) | p50 s | p99 s | TTFT p50 s | tau "
+        "| drafts/round (median) | requests |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for users, by_method in summary.items():
-        ar = by_method.get("ar", {}).get("tokens_per_s")
+        ar = by_method.get("ar", {})
         for name, s in by_method.items():
-            ratio = f"{s['tokens_per_s'] / ar:.2f}" if ar else "-"
+            ratio = f"{s['tokens_per_s'] / ar['tokens_per_s']:.2f}" if ar.get("tokens_per_s") else "-"
+            paired = burst_ratio(s, ar)
             drafts = statistics.median(s["drafts_per_round"]) if s["drafts_per_round"] else 0
             lines.append(
-                f"| {users} | {name} | {s['tokens_per_s']:.2f} | {ratio} | {s['p50_latency_s']} | "
+                f"| {users} | {name} | {s['tokens_per_s']:.2f} | {ratio} | {paired} | {s['p50_latency_s']} | "
                 f"{s['p99_latency_s']} | {s['p50_ttft_s']} | {s['tau']} | {drafts:.1f} | {s['requests']} |"
             )
     return "\n".join(lines)
+
+
+def burst_ratio(s: dict, base: dict) -> str:
+    """The median over bursts of s's tok/s against base's in the same burst ("-" without bursts)."""
+    if not s.get("bursts_s") or not base.get("bursts_s"):
+        return "-"
+    rates = [
+        (t / w) / (bt / bw)
+        for t, w, bt, bw in zip(s["burst_tokens"], s["bursts_s"], base["burst_tokens"], base["bursts_s"])
+        if w > 0 and bw > 0 and bt > 0
+    ]
+    return f"{statistics.median(rates):.2f}" if rates else "-"
 
 
 def plot(summary: dict, path: Path) -> bool:
@@ -302,11 +341,12 @@ def main(argv=None) -> None:
     summary: dict = {}
     every: list[Record] = []
     for users in args.users:
+        if args.together:
+            runs = run_bursts(args.host, methods, users, args.together, args.max_tokens)
+        else:
+            runs = {m.name: run_level(args.host, m, users, args.duration, args.max_tokens) for m in methods}
         for method in methods:
-            if args.together:
-                records, s = run_bursts(args.host, method, users, args.together, args.max_tokens)
-            else:
-                records, s = run_level(args.host, method, users, args.duration, args.max_tokens)
+            records, s = runs[method.name]
             summary.setdefault(str(users), {})[method.name] = s
             every += records
             name = method.name.replace(":", "_").replace("=", "").replace(",", "_")

@@ -131,18 +131,27 @@ def test_load_sweep_mechanics(url, tmp_path):
     assert (tmp_path / "ar-u1.csv").is_file() and "| 2 | fly:k=auto |" in (tmp_path / "summary.md").read_text()
 
 
-def test_load_sweep_bursts_give_every_method_the_same_prompts(url, tmp_path):
+def test_load_sweep_bursts_give_every_method_the_same_prompts_in_turns(url, tmp_path):
     summary = sweep(url, tmp_path, "--users", "3", "--methods", "ar", "fly:k=3", "--together", "2", "--max-tokens", "6")
-    prompts = {}
+    prompts, bursts = {}, {}
     for method, name in (("ar", "ar"), ("fly:k=3", "fly_k3")):
         s = summary["3"][method]
         assert s["requests"] == 6 and s["failures"] == 0 and s["tokens"] > 0, s  # 2 bursts of 3 users
+        assert len(s["bursts_s"]) == 2 and sum(s["burst_tokens"]) == s["tokens"], s
+        assert s["wall_s"] == pytest.approx(sum(s["bursts_s"]), abs=0.02)
         with open(tmp_path / f"{name}-u3.csv") as f:
             rows = list(csv.DictReader(f))
         prompts[method] = sorted(int(r["prompt"]) for r in rows)
-        starts = sorted(float(r["start"]) for r in rows)
-        # a burst's 3 requests start together; the second burst after the first has finished
-        assert starts[2] - starts[0] < 1.0, starts
-        first = [r for r in rows if float(r["start"]) <= starts[2]]
-        assert all(float(r["start"]) + float(r["latency_s"]) <= starts[3] for r in first)
+        rows.sort(key=lambda r: float(r["start"]))
+        # a burst's 3 requests start together
+        starts = [float(r["start"]) for r in rows]
+        assert starts[2] - starts[0] < 1.0 and starts[5] - starts[3] < 1.0, starts
+        bursts[method] = [
+            (starts[3 * n], max(float(r["start"]) + float(r["latency_s"]) for r in rows[3 * n : 3 * n + 3]))
+            for n in (0, 1)
+        ]
     assert prompts["ar"] == prompts["fly:k=3"] == [0, 1, 2, 3, 4, 5]
+    # the methods take turns: ar's burst 0, k 3's bursts 0 and 1, ar's burst 1; each after the last has finished
+    (ar0, ar1), (k0, k1) = bursts["ar"], bursts["fly:k=3"]
+    assert ar0[1] <= k0[0] and k0[1] <= k1[0] and k1[1] <= ar1[0], bursts
+    assert "| 3 | fly:k=3 |" in (tmp_path / "summary.md").read_text()
