@@ -75,6 +75,7 @@ class Record:
     rounds: int
     drafted: int
     text: str
+    burst: int | None = None  # with --together: which burst it came in
 
 
 def user_class(method: Method, users: int, max_tokens: int, records: list[Record], burst: int | None = None) -> type:
@@ -152,6 +153,7 @@ def user_class(method: Method, users: int, max_tokens: int, records: list[Record
                     fly.get("rounds", 0),
                     fly.get("drafted", 0),
                     "".join(text),
+                    burst,
                 )
             )
 
@@ -180,21 +182,18 @@ def run_bursts(host: str, methods: list[Method], users: int, bursts: int, max_to
     records: dict[str, list[Record]] = {m.name: [] for m in methods}
     makespans: dict[str, list[float]] = {m.name: [] for m in methods}
     failures = dict.fromkeys(records, 0)
-    tokens: dict[str, list[int]] = {m.name: [] for m in methods}
     for burst in range(bursts):
         for method in methods if burst % 2 == 0 else methods[::-1]:
-            mine = records[method.name]
-            before = len(mine)
-            wall, failed = one_burst(host, method, users, burst, max_tokens, mine)
+            wall, failed = one_burst(host, method, users, burst, max_tokens, records[method.name])
             makespans[method.name].append(wall)
-            tokens[method.name].append(sum(r.tokens for r in mine[before:]))
             failures[method.name] += failed
     out = {}
     for m in methods:
-        s = summarize(records[m.name], sum(makespans[m.name]), failures[m.name])
+        mine = records[m.name]
+        s = summarize(mine, sum(makespans[m.name]), failures[m.name])
         s["bursts_s"] = [round(w, 2) for w in makespans[m.name]]
-        s["burst_tokens"] = tokens[m.name]
-        out[m.name] = (records[m.name], s)
+        s["burst_tokens"] = [sum(r.tokens for r in mine if r.burst == n) for n in range(bursts)]
+        out[m.name] = (mine, s)
     return out
 
 
