@@ -4,12 +4,16 @@ The parts, one job each:
   acceptance.py   AcceptanceTracker: each row's chance a draft is kept, from its own rounds
   round_cost.py   CostProfile (the measurement) and RoundCostModel (frozen predictions)
   allocator.py    plan: the ks of one round for the most expected tokens per predicted second
-  cost_check.py   CostCheck: a profile whose shape the measured rounds contradict is replaced
+  cost_check.py   CostCheck: a profile whose shape the measured rounds contradict is replaced;
+                  UnderLoad: the model of rounds of two rows or more, corrected by those rounds
   cost_calibration.py  measures a profile where the engine runs (cached per machine and models)
 
-Determinism. A row's plan reads the frozen cost model and the row's own acceptance history, and
-its probes (below) fall on the row's own round count: a greedy request sent alone twice gets the
-same ks round by round, whatever the clock measured. Only a new profile changes plans: an
+Determinism. A row alone is planned from the frozen cost model and its own acceptance history,
+and its probes (below) fall on its own round count: a greedy request sent alone twice gets the
+same ks round by round, whatever the clock measured. Rounds of two rows or more are planned from
+UnderLoad's model instead (cost_check.py), the frozen one corrected by the rounds measured at that
+load: there the profile's error is as large as the differences between plans, and a batch's text
+already depends on its other rows (the bf16 target rounds a wider forward otherwise). Only a new profile changes plans: an
 explicit recalibration (set_profile), or the cost check, which runs only while the profile was
 not measured where the engine runs (the uncalibrated default shape, or a profile given from
 elsewhere) and replaces it at most once. A profile measured here (cost_calibration.py) is frozen
@@ -29,7 +33,7 @@ import math
 
 from .acceptance import AcceptanceTracker
 from .allocator import Plan, RowInfo, min_confidence_for, plan
-from .cost_check import CostCheck, point_of
+from .cost_check import CostCheck, UnderLoad, point_of
 from .round_cost import MODEL, NONE, CostProfile, RoundCostModel
 
 log = logging.getLogger("fly_serve.speculation_policy")
@@ -50,10 +54,12 @@ class SpeculationPolicy:
         probe_k: int = 4,
         max_probes: int = 1,
         check: CostCheck | None = None,
+        under_load: UnderLoad | None = None,
     ):
         self.cost = cost or RoundCostModel()
         self.tracker = tracker or AcceptanceTracker()
         self.check = check if check is not None else CostCheck()
+        self.under_load = under_load if under_load is not None else UnderLoad()
         self.probe_every, self.probe_k, self.max_probes = probe_every, probe_k, max_probes
         self.frozen = False  # True: the cost check is off (a profile measured here, or corrected once)
         self.last: Plan | None = None  # the plan of the round last chosen (before probes)
@@ -77,6 +83,7 @@ class SpeculationPolicy:
         frozen (the check stays off) until the next explicit call."""
         self.cost = RoundCostModel(profile)
         self.check.reset()
+        self.under_load.reset()
         self.frozen = measured_here
 
     # ---- before a round
@@ -95,8 +102,14 @@ class SpeculationPolicy:
             )
             for r in rows
         ]
-        self.last = plan(rows, self.cost, overlap=self.overlap)
+        self.last = plan(rows, self.cost_for(len(rows)), overlap=self.overlap)
         return self._probe(rows, list(self.last.ks))
+
+    def cost_for(self, n_rows: int) -> RoundCostModel:
+        """The model a round of n_rows is planned from: the frozen one for a row alone, UnderLoad's
+        corrected one (once it has rounds to go on) for two rows or more."""
+        loaded = self.under_load.model
+        return loaded if n_rows > 1 and loaded is not None else self.cost
 
     def _probe(self, rows: list[RowInfo], ks: list[int]) -> list[int]:
         """ks, with a probe's k for adaptive rows that have sat at k = 0 for more than probe_every
@@ -150,11 +163,12 @@ class SpeculationPolicy:
             for key, n, f, m, here in zip(keys, drafted, per_row, model, now)
             if m and n > 0 and here
         )
+        point = point_of(self.cost, drafted)
+        if len(keys) > 1:
+            self.under_load.observe(self.cost, point, verify_s, forwards, rows_in_forwards, draft_s)
         if self.frozen:
             return
-        better = self.check.observe(
-            self.cost, point_of(self.cost, drafted), verify_s, forwards, rows_in_forwards, draft_s
-        )
+        better = self.check.observe(self.cost, point, verify_s, forwards, rows_in_forwards, draft_s)
         if better is not None:
             log.info("k auto: measured rounds contradict the cost profile's shape; replaced by %s", better.to_dict())
             self.set_profile(better)

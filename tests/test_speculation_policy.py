@@ -565,25 +565,57 @@ def test_a_batch_probes_one_row_a_round_in_turn():
 
 
 def test_plans_do_not_follow_wall_clock_noise():
-    """Two rows on a calibrated profile, times with 10% noise: the same ks whatever the noise."""
+    """A row alone on a calibrated profile, times with 10% noise: the same ks whatever the noise."""
     verify = lambda n: 0.1 + 0.002 * n
     draft = lambda f, rf: 0.01 * f + 0.001 * rf
     calibrated = CostProfile([1, 101], [verify(1), verify(101)], 0.0, 0.01, 0.001)
-    runs = [
-        run_policy(
-            SpeculationPolicy.from_profile(calibrated),
-            {"good": 0.85, "poor": 0.1},
-            verify,
-            draft,
-            80,
-            noise=noise,
-            noise_seed=seed,
+    alone = {
+        key: [
+            run_policy(SpeculationPolicy.from_profile(calibrated), {key: a}, verify, draft, 80, noise=noise, noise_seed=i)
+            for i, noise in enumerate((0.0, 0.1, 0.1, 0.1))
+        ]
+        for key, a in (("good", 0.85), ("poor", 0.1))
+    }
+    assert all(run == runs[0] for runs in alone.values() for run in runs)
+    good, poor = (np.array(alone[key][0]).ravel() for key in ("good", "poor"))
+    assert good.mean() > 2 * poor.mean() > 0  # a row's k follows its own acceptance
+
+
+def test_rounds_under_load_are_planned_from_the_costs_measured_under_load():
+    """A profile measured here (frozen) that prices the drafter at a third of what it costs once
+    two rows run (a served ingress streams text while the drafter works): the two-row rounds
+    move to the plan of the true costs within a few refits; a row alone keeps the frozen plan."""
+    verify = lambda n: 0.1 + 0.01 * n
+    true_draft = (0.0, 0.06, 0.006)  # per round, per forward, per row in a forward
+    draft = lambda f, rf: true_draft[1] * f + true_draft[2] * rf
+    measured = CostProfile([1, 101], [verify(1), verify(101)], 0.0, true_draft[1] / 3, true_draft[2] / 3)
+    truth = CostProfile([1, 101], [verify(1), verify(101)], *true_draft)
+    policy = SpeculationPolicy.from_profile(measured)
+    policy.set_profile(measured, measured_here=True)
+    pair = [RowInfo("a", 8, acceptance=0.8), RowInfo("b", 8, acceptance=0.8)]
+    frozen_pair, true_pair = plan(pair, RoundCostModel(measured)).ks, plan(pair, RoundCostModel(truth)).ks
+    assert sum(true_pair) < sum(frozen_pair)  # the cheap drafter of the profile drafts longer
+    assert policy.choose(pair) == frozen_pair  # no rounds under load yet: the frozen profile
+    for _ in range(5 * policy.under_load.every):
+        ks = policy.choose(pair)
+        policy.record(
+            ["a", "b"],
+            ks,
+            ks,
+            kinds=[MODEL, MODEL],
+            draft_s=draft(max(ks), sum(ks)),
+            verify_s=verify(sum(k + 1 for k in ks)),
+            forwards=max(ks),
+            row_forwards=ks,
         )
-        for noise, seed in ((0.0, 0), (0.1, 1), (0.1, 2), (0.1, 3))
-    ]
-    assert all(run == runs[0] for run in runs)
-    good, poor = np.array(runs[0]).T
-    assert good.mean() > 2 * poor.mean() > 0  # each row's k follows its own acceptance
+    assert policy.under_load.refits >= 1
+    assert policy.under_load.draft_ratio(policy.cost) == pytest.approx(3.0, rel=0.05)
+    assert policy.choose(pair) == true_pair
+    alone = [RowInfo("c", 8, acceptance=0.8)]
+    assert policy.choose(alone) == plan(alone, RoundCostModel(measured)).ks  # a row alone: frozen
+    assert policy.cost_for(1) is policy.cost and policy.check.corrections == 0
+    policy.set_profile(measured, measured_here=True)  # a recalibration starts the load model over
+    assert policy.under_load.model is None and policy.choose(pair) == frozen_pair
 
 
 def test_cost_check_ignores_scale_and_fixes_shape():
