@@ -187,10 +187,11 @@ class EngineLoop:
             "running": len(self.engine.running),
             "waiting": len(self.engine.waiting),
             "finished": dict(self.finished),
-            # k auto's model of rounds of two rows or more, corrected by those rounds (cost_check.UnderLoad)
+            # k auto under load: the drafter priced as rounds of 2+ rows measure it (fly_serve/under_load.py)
             "k_auto_under_load": {
                 "rounds": self.engine.policy.under_load.rounds,
                 "refits": self.engine.policy.under_load.refits,
+                "draft_ratio": self.engine.policy.under_load.applied,
             },
             # mean seconds per round by phase; call minus compute is transport
             "timeline": {phase: s / max(self.rounds, 1) for phase, s in self.timeline.items()},

@@ -13,13 +13,6 @@ forwards of different token counts, drafter calls) by more than `tolerance`, eac
 median of its last `window` rounds and at least `min_rounds` of them. Wall-clock noise well below
 the tolerance therefore never changes a plan; a wrong seed does, once, within a few probes.
 
-UnderLoad keeps a second model for rounds of two rows or more: the frozen profile corrected, every
-few rounds, by the rounds measured at that load, with no tolerance. Under load the host is not
-what the profile timed (the ingress streams text to every client while the drafter runs; a
-drafter call catches up the tokens of the round before), and between k 1 and k 3 at 6-8 rows the
-frozen profile's choice is within its own error (docs/BENCHMARKS.md). A row alone keeps the
-frozen profile, so a greedy request sent alone still gets the same plan every time.
-
 An operating point is the target forward as the model prices it: its tokens (a profile without a
 batch table), or its shape (rows, tokens per row) with one, so that a batch table is compared
 with what it predicts and corrected as a table.
@@ -51,8 +44,11 @@ class CostCheck:
     ) -> CostProfile | None:
         """One measured round; returns a corrected profile when the shape is wrong, else None.
         point: the target forward's tokens, or its (rows, tokens per row) (point_of)."""
-        self.add(cost, point, verify_s, forwards, row_forwards, draft_s)
-        ratios = self.ratios(cost)
+        point = tuple(int(x) for x in point) if isinstance(point, tuple) else int(point)
+        self.verify.setdefault(point, deque(maxlen=self.window)).append(float(verify_s))
+        if forwards > 0:
+            self.draft.append((float(draft_s), float(cost.draft_s(forwards, row_forwards))))
+        ratios = self._ratios(cost)
         if len(ratios) < 2:
             return None
         values = list(ratios.values())
@@ -61,28 +57,11 @@ class CostCheck:
         self.corrections += 1
         return corrected(cost, self._measured(), ratios.get("draft"))
 
-    def add(
-        self, cost: RoundCostModel, point: Point, verify_s: float, forwards: int, row_forwards: float, draft_s: float
-    ) -> None:
-        """Keep one measured round (observe's arguments) without judging the profile."""
-        point = tuple(int(x) for x in point) if isinstance(point, tuple) else int(point)
-        self.verify.setdefault(point, deque(maxlen=self.window)).append(float(verify_s))
-        if forwards > 0:
-            self.draft.append((float(draft_s), float(cost.draft_s(forwards, row_forwards))))
-
-    def correction(self, cost: RoundCostModel) -> CostProfile | None:
-        """The profile corrected by the rounds kept, whatever the tolerance; None before any
-        operating point has min_rounds rounds."""
-        measured = self._measured()
-        if not measured:
-            return None
-        return corrected(cost, measured, self.ratios(cost).get("draft"))
-
     def _measured(self) -> dict[Point, float]:
         """Median measured seconds by operating point, where enough rounds were seen."""
         return {n: statistics.median(s) for n, s in self.verify.items() if len(s) >= self.min_rounds}
 
-    def ratios(self, cost: RoundCostModel) -> dict:
+    def _ratios(self, cost: RoundCostModel) -> dict:
         out = {n: t / max(predicted(cost, n), 1e-12) for n, t in self._measured().items()}
         if len(self.draft) >= self.min_rounds:
             out["draft"] = statistics.median(m / max(p, 1e-12) for m, p in self.draft)
@@ -166,38 +145,3 @@ def corrected_curve(cost: RoundCostModel, measured: dict[int, float], draft_rati
         cost.overhead_s,
         "corrected from measured rounds",
     )
-
-
-class UnderLoad:
-    """k auto's cost model for rounds of two rows or more (the module docstring): `model` is the
-    frozen profile's model corrected by the last `window` rounds of each operating point measured
-    under load, refit every `every` such rounds (None until a point has min_rounds rounds).
-    Predictions are always against the frozen model, so corrections never compound."""
-
-    def __init__(self, every: int = 8, window: int = 16, min_rounds: int = 3):
-        self.every = every
-        self.check = CostCheck(min_rounds=min_rounds, window=window)
-        self.reset()
-
-    def reset(self):
-        """Forget the rounds seen and the correction (a new profile is installed)."""
-        self.check.reset()
-        self.model: RoundCostModel | None = None
-        self.rounds = 0  # rounds kept since the last reset
-        self.refits = 0
-
-    def observe(
-        self, cost: RoundCostModel, point: Point, verify_s: float, forwards: int, row_forwards: float, draft_s: float
-    ) -> None:
-        """One round of two rows or more, measured; cost: the frozen model."""
-        self.check.add(cost, point, verify_s, forwards, row_forwards, draft_s)
-        self.rounds += 1
-        if self.rounds % self.every == 0:
-            profile = self.check.correction(cost)
-            if profile is not None:
-                self.model = RoundCostModel(profile)
-                self.refits += 1
-
-    def draft_ratio(self, cost: RoundCostModel) -> float | None:
-        """The drafter's measured / predicted seconds under load (None before min_rounds)."""
-        return self.check.ratios(cost).get("draft")

@@ -4,22 +4,25 @@ The parts, one job each:
   acceptance.py   AcceptanceTracker: each row's chance a draft is kept, from its own rounds
   round_cost.py   CostProfile (the measurement) and RoundCostModel (frozen predictions)
   allocator.py    plan: the ks of one round for the most expected tokens per predicted second
-  cost_check.py   CostCheck: a profile whose shape the measured rounds contradict is replaced;
-                  UnderLoad: the model of rounds of two rows or more, corrected by those rounds
+  cost_check.py   CostCheck: a profile whose shape the measured rounds contradict is replaced
+  under_load.py   UnderLoad: the model of rounds of two rows or more, the drafter priced as they measure it
   cost_calibration.py  measures a profile where the engine runs (cached per machine and models)
 
 Determinism. A row alone is planned from the frozen cost model and its own acceptance history,
 and its probes (below) fall on its own round count: a greedy request sent alone twice gets the
-same ks round by round, whatever the clock measured. Rounds of two rows or more are planned from
-UnderLoad's model instead (cost_check.py), the frozen one corrected by the rounds measured at that
-load: there the profile's error is as large as the differences between plans, and a batch's text
-already depends on its other rows (the bf16 target rounds a wider forward otherwise). Only a new profile changes plans: an
-explicit recalibration (set_profile), or the cost check, which runs only while the profile was
-not measured where the engine runs (the uncalibrated default shape, or a profile given from
-elsewhere) and replaces it at most once. A profile measured here (cost_calibration.py) is frozen
-for the engine's life: its shape may differ from live rounds by more than the check's tolerance
-(short timing rows against long contexts), and a correction mid-service would change the plan,
-hence the text, of the next identical request.
+same ks round by round, whatever the clock measured. For a row alone only a new profile changes
+plans: an explicit recalibration (set_profile), or the cost check, which runs only while the
+profile was not measured where the engine runs (the uncalibrated default shape, or a profile
+given from elsewhere) and replaces it at most once. A profile measured here (cost_calibration.py)
+is frozen for the engine's life: its shape may differ from live rounds by more than the check's
+tolerance (short timing rows against long contexts), and a correction mid-service would change
+the plan, hence the text, of the next identical request.
+
+Under load. Rounds of two rows or more are planned from UnderLoad's model (under_load.py): the
+frozen one with the drafter priced against the target as the rounds under load measure it. There
+the profile's error is as large as the differences between plans (a served ingress streams text
+while the drafter runs), and a batch's text already depends on its other rows (the bf16 target
+rounds a wider forward otherwise).
 
 Exploration. A row the plan leaves at k = 0 for `probe_every` rounds in a row gets a probe round
 of min(probe_k, its cap) drafts (with no early stop; at most `max_probes` rows a round): its
@@ -33,8 +36,9 @@ import math
 
 from .acceptance import AcceptanceTracker
 from .allocator import Plan, RowInfo, min_confidence_for, plan
-from .cost_check import CostCheck, UnderLoad, point_of
+from .cost_check import CostCheck, point_of
 from .round_cost import MODEL, NONE, CostProfile, RoundCostModel
+from .under_load import UnderLoad
 
 log = logging.getLogger("fly_serve.speculation_policy")
 
@@ -163,12 +167,13 @@ class SpeculationPolicy:
             for key, n, f, m, here in zip(keys, drafted, per_row, model, now)
             if m and n > 0 and here
         )
-        point = point_of(self.cost, drafted)
         if len(keys) > 1:
-            self.under_load.observe(self.cost, point, verify_s, forwards, rows_in_forwards, draft_s)
+            self.under_load.observe(self.cost, drafted, forwards, rows_in_forwards, draft_s, verify_s)
         if self.frozen:
             return
-        better = self.check.observe(self.cost, point, verify_s, forwards, rows_in_forwards, draft_s)
+        better = self.check.observe(
+            self.cost, point_of(self.cost, drafted), verify_s, forwards, rows_in_forwards, draft_s
+        )
         if better is not None:
             log.info("k auto: measured rounds contradict the cost profile's shape; replaced by %s", better.to_dict())
             self.set_profile(better)

@@ -13,6 +13,7 @@ from fly_serve.cost_calibration import batch_shapes, verify_points
 from fly_serve.cost_check import CostCheck, point_of
 from fly_serve.round_cost import MODEL, NONE, PLD, BatchVerify, CostProfile, RoundCostModel
 from fly_serve.speculation_policy import SpeculationPolicy
+from fly_serve.under_load import UnderLoad
 
 
 def cost_model(verify_at_1=0.02, per_token=0.0, per_forward=0.0, per_row_forward=0.0, per_round=0.0):
@@ -571,8 +572,8 @@ def test_plans_do_not_follow_wall_clock_noise():
     calibrated = CostProfile([1, 101], [verify(1), verify(101)], 0.0, 0.01, 0.001)
     alone = {
         key: [
-            run_policy(SpeculationPolicy.from_profile(calibrated), {key: a}, verify, draft, 80, noise=noise, noise_seed=i)
-            for i, noise in enumerate((0.0, 0.1, 0.1, 0.1))
+            run_policy(SpeculationPolicy.from_profile(calibrated), {key: a}, verify, draft, 80, noise=x, noise_seed=i)
+            for i, x in enumerate((0.0, 0.1, 0.1, 0.1))
         ]
         for key, a in (("good", 0.85), ("poor", 0.1))
     }
@@ -609,13 +610,33 @@ def test_rounds_under_load_are_planned_from_the_costs_measured_under_load():
             row_forwards=ks,
         )
     assert policy.under_load.refits >= 1
-    assert policy.under_load.draft_ratio(policy.cost) == pytest.approx(3.0, rel=0.05)
+    assert policy.under_load.draft_ratio == pytest.approx(3.0, rel=0.05)
     assert policy.choose(pair) == true_pair
     alone = [RowInfo("c", 8, acceptance=0.8)]
     assert policy.choose(alone) == plan(alone, RoundCostModel(measured)).ks  # a row alone: frozen
     assert policy.cost_for(1) is policy.cost and policy.check.corrections == 0
     policy.set_profile(measured, measured_here=True)  # a recalibration starts the load model over
     assert policy.under_load.model is None and policy.choose(pair) == frozen_pair
+
+
+def test_under_load_reads_the_drafter_against_the_target_of_the_same_round():
+    """A host that slows both halves of a round alike (drift) changes nothing; rounds without a
+    drafting call are not counted; the model comes only after min_rounds, refit every `every`."""
+    cost = RoundCostModel(flat_profile(0.1, 0.01, per_forward=0.02, per_row_forward=0.002))
+    load = UnderLoad(every=4, min_rounds=4)
+    ks = [2, 2, 2]
+    draft, verify = float(cost.draft_s(2, 6)), float(cost.verify_round_s(ks))
+    for i in range(12):
+        slow = 1.0 + 0.3 * (i % 3)  # the host's speed drifts from round to round
+        load.observe(cost, [0, 0, 0], 0, 0, 0.0, verify * slow)  # plain decoding: no ratio in it
+        load.observe(cost, ks, 2, 6, draft * slow, verify * slow)
+        assert (load.model is None) == (i < 3)
+    assert load.rounds == 12 and load.refits == 3 and load.draft_ratio == pytest.approx(1.0)
+    assert load.model.draft_s(2, 6) == pytest.approx(cost.draft_s(2, 6))
+    for _ in range(32):  # the drafter now costs twice its share of the round: the window follows
+        load.observe(cost, ks, 2, 6, 2 * draft, verify)
+    assert load.applied == pytest.approx(2.0) and load.model.draft_s(2, 6) == pytest.approx(2 * cost.draft_s(2, 6))
+    assert load.model.verify_round_s(ks) == pytest.approx(verify)  # the target's shape is the profile's
 
 
 def test_cost_check_ignores_scale_and_fixes_shape():
