@@ -26,6 +26,22 @@ def served(request):
     stop_serve()
 
 
+def k_auto_chat(content: str, max_tokens: int) -> dict:
+    """A greedy chat request with k auto (strict verification)."""
+    return {
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "fly": {"mode": "fly", "k": "auto", "theta": 1.0},
+    }
+
+
+def post_ok(url: str, path: str, body: dict) -> dict:
+    r = requests.post(f"{url}{path}", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
 def wait_ready(url: str) -> None:
     import time
 
@@ -63,17 +79,8 @@ def test_a_greedy_request_repeated_alone_gets_one_text_plain_or_streamed(served)
 
     _, url = served
     wait_ready(url)
-    body = {
-        "messages": [{"role": "user", "content": "count: one two three four"}],
-        "max_tokens": 40,
-        "temperature": 0,
-        "fly": {"mode": "fly", "k": "auto", "theta": 1.0},
-    }
-    plain = []
-    for _ in range(3):
-        r = requests.post(f"{url}/v1/chat/completions", json=body, timeout=120)
-        assert r.status_code == 200, r.text
-        plain.append(r.json())
+    body = k_auto_chat("count: one two three four", 40)
+    plain = [post_ok(url, "/v1/chat/completions", body) for _ in range(3)]
     with requests.post(f"{url}/v1/chat/completions", json={**body, "stream": True}, stream=True, timeout=120) as r:
         assert r.status_code == 200, r.text
         lines = [x[len("data: ") :] for x in r.iter_lines(decode_unicode=True) if x]
@@ -86,3 +93,31 @@ def test_a_greedy_request_repeated_alone_gets_one_text_plain_or_streamed(served)
     plans.add((chunks[-1]["fly"]["rounds"], chunks[-1]["fly"]["drafted"], chunks[-1]["fly"]["accepted"]))
     assert len(plans) == 1, plans
     assert plain[0]["fly"]["drafted"] > 0  # k auto drafted (its probes at least): the plans were really compared
+
+
+def test_rounds_under_load_refit_k_auto_and_a_request_alone_keeps_its_text(served):
+    """Rounds of several rows are measured into k auto's model under load (its refits and drafter
+    ratio in /v1/fly/stats); the same greedy k auto request alone before and after that load gets
+    the same plan and text (a row alone is planned from the frozen profile only)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    _, url = served
+    wait_ready(url)
+    alone = k_auto_chat("list: red green blue", 32)
+    before = post_ok(url, "/v1/chat/completions", alone)
+    under = requests.get(f"{url}/v1/fly/stats", timeout=30).json()["k_auto_under_load"]
+    load = [
+        {"prompt": f"{p} {i}", "max_tokens": 48, "temperature": 0, "fly": {"mode": "fly", "k": 4, "theta": 1.0}}
+        for i, p in enumerate(PROMPTS * 3)
+    ]
+    with ThreadPoolExecutor(len(load)) as pool:
+        done = list(pool.map(lambda body: post_ok(url, "/v1/completions", body), load))
+    stats = requests.get(f"{url}/v1/fly/stats", timeout=30).json()
+    assert stats["largest_batch"] >= 2
+    after_load = stats["k_auto_under_load"]
+    assert after_load["rounds"] > under["rounds"] and after_load["refits"] > under["refits"]
+    assert after_load["draft_ratio"] > 0
+    assert all(d["usage"]["completion_tokens"] > 0 for d in done)
+    after = post_ok(url, "/v1/chat/completions", alone)
+    assert after["choices"][0]["message"]["content"] == before["choices"][0]["message"]["content"]
+    assert (after["fly"]["rounds"], after["fly"]["drafted"]) == (before["fly"]["rounds"], before["fly"]["drafted"])
