@@ -60,8 +60,8 @@ class UnderLoad:
             return
         self.relative.append((draft_s / draft_pred) / (verify_s / verify_pred))
         self.rounds += 1
-        ratio = self.draft_ratio
-        if ratio is not None and self.rounds % self.every == 0:
+        ratio = self.draft_ratio if self.rounds % self.every == 0 else None  # the median only when refitting
+        if ratio is not None:
             p = cost.profile
             self.model = RoundCostModel(
                 replace(
