@@ -193,6 +193,7 @@ class EngineLoop:
                 "refits": self.engine.policy.under_load.refits,
                 "draft_ratio": self.engine.policy.under_load.applied,
             },
+            "k_auto_probes": self.engine.policy.probes,  # rows k auto made draft to measure them again
             # mean seconds per round by phase; call minus compute is transport
             "timeline": {phase: s / max(self.rounds, 1) for phase, s in self.timeline.items()},
             "last_round": {

@@ -25,10 +25,17 @@ while the drafter runs), and a batch's text already depends on its other rows (t
 rounds a wider forward otherwise).
 
 Exploration. A row the plan leaves at k = 0 for `probe_every` rounds in a row gets a probe round
-of min(probe_k, its cap) drafts (with no early stop; at most `max_probes` rows a round): its
-acceptance is measured again, and the cost check sees a drafting round, so a wrong seed (a
-profile that overprices drafting) corrects itself within a few probes, and a row that was
-written off is tried again.
+(with no early stop; at most `max_probes` rows a round): its acceptance is measured again, and the
+cost check sees a drafting round, so a wrong seed (a profile that overprices drafting) corrects
+itself within a few probes, and a row that was written off is tried again. A row alone probes
+min(probe_k, its cap) drafts. In a batch a probe is paid by every row: the target verifies
+[B, max k + 1], so a probe wider than the plan widens all B rows, and each of its drafts past the
+plan's adds a drafter forward. So there a probe rides at the plan's width (a row below the widest
+verifies for free, in forwards the drafter runs anyway), and where the plan drafts nothing (plain
+decoding for the whole batch) it drafts 1 and the batch probes at most once every probe_every + 1
+rounds. (Before, a batch of 8 rows planned at k = 0 probed a row at k = 4 every round once the
+rows were due: each round then verified [8, 5] and ran 4 drafter forwards, about twice an ar
+round, for one row's measurement.)
 """
 
 import logging
@@ -69,6 +76,8 @@ class SpeculationPolicy:
         self.last: Plan | None = None  # the plan of the round last chosen (before probes)
         self._idle: dict[str, int] = {}  # rounds in a row the plan left each row at k = 0
         self._probing: set[str] = set()  # rows probed in the round last chosen
+        self._batch_quiet = 0  # rounds of 2+ rows since a batch that planned no drafts probed
+        self.probes = 0  # rows probed since the start (reported in the service's stats)
         # Draft-ahead (the engine sets it): a round costs max(draft, verify) plus the drafting of
         # the rows whose bet was lost (allocator.plan, round_cost.round_seconds).
         self.overlap = False
@@ -117,9 +126,10 @@ class SpeculationPolicy:
 
     def _probe(self, rows: list[RowInfo], ks: list[int]) -> list[int]:
         """ks, with a probe's k for adaptive rows that have sat at k = 0 for more than probe_every
-        rounds: at most max_probes a round, the longest idle first (ties: batch order), so a large
-        batch where drafting does not pay pays for one probe a round and every row gets its turn."""
-        idle = self._idle
+        rounds: at most max_probes a round, the longest idle first (ties: batch order), so every
+        row of a batch gets its turn. In a batch, at the plan's width, and where the plan drafts
+        nothing, 1 draft at most once every probe_every + 1 rounds (the module docstring)."""
+        idle, width, batch = self._idle, max(ks, default=0), len(rows) > 1
         for r, k in zip(rows, ks):
             if r.fixed or r.drafter == NONE or r.k_max <= 0 or k > 0:
                 idle.pop(r.key, None)
@@ -127,9 +137,17 @@ class SpeculationPolicy:
                 idle[r.key] = idle.get(r.key, 0) + 1
         due = [b for b, r in enumerate(rows) if idle.get(r.key, 0) > self.probe_every]
         due.sort(key=lambda b: -idle[rows[b].key])  # stable: batch order among equals
-        self._probing = {rows[b].key for b in due[: self.max_probes]}
-        for b in due[: self.max_probes]:
-            ks[b], idle[rows[b].key] = min(self.probe_k, rows[b].k_max), 0
+        self._batch_quiet += batch
+        if batch and width == 0 and self._batch_quiet <= self.probe_every:
+            due = []  # plain decoding for the batch: a probe widens every row, so not every round
+        due = due[: self.max_probes]
+        self._probing = {rows[b].key for b in due}
+        k_probe = max(width, 1) if batch else self.probe_k
+        for b in due:
+            ks[b], idle[rows[b].key] = min(k_probe, self.probe_k, rows[b].k_max), 0
+        if batch and width == 0 and due:
+            self._batch_quiet = 0
+        self.probes += len(due)
         return ks
 
     def min_confidence(self, key: str | None = None) -> float:

@@ -552,17 +552,36 @@ def test_probes_only_where_drafting_does_not_pay():
     assert policy.check.corrections == 0  # a uniformly slower machine is not a wrong shape
 
 
-def test_a_batch_probes_one_row_a_round_in_turn():
+def test_a_batch_planned_at_plain_decoding_probes_one_draft_now_and_then_every_row_in_turn():
+    """A probe in a batch widens every row's verification (and a probe of probe_k drafts runs
+    probe_k drafter forwards): where the plan drafts nothing, one row probes 1 draft every
+    probe_every + 1 rounds, not one row at probe_k every round."""
     verify = lambda n: 2 * float(RoundCostModel(WRONG_SEED).verify_s(n))
     draft = lambda f, rf: 2 * 0.05 * f
     policy = SpeculationPolicy.from_profile(WRONG_SEED)
     truth = {f"r{b}": 0.3 for b in range(8)}
-    history = np.array(run_policy(policy, truth, verify, draft, 70))  # [rounds, rows]
-    probes = history > 0
-    assert probes.sum(1).max() == 1  # never more than one probe in a round
-    assert probes[7:].sum(1).min() == 1  # once rows are due, one probes every round
-    assert probes.sum(0).min() >= 6  # every row in turn
-    assert set(history.ravel()) == {0, policy.probe_k} and policy.check.corrections == 0
+    history = np.array(run_policy(policy, truth, verify, draft, 112))  # [rounds, rows]
+    period = policy.probe_every + 1
+    probing = history.sum(1) > 0  # [rounds]
+    assert probing.tolist() == [(i + 1) % period == 0 for i in range(112)]
+    assert set(history.ravel()) == {0, 1} and history.sum(1).max() == 1  # one row, one draft
+    assert history.sum(0).tolist() == [2] * 8  # every row in turn, twice in 16 probes
+    assert policy.probes == 16 and policy.check.corrections == 0
+
+
+def test_a_probe_in_a_batch_rides_at_the_plans_width():
+    """A batch whose plan drafts (a fixed row's 2): a row left at k = 0 probes at the plan's widest
+    k (below it a row verifies for free in the padded forward), not at probe_k."""
+    policy = SpeculationPolicy.from_profile(flat_profile(0.1, per_forward=0.01, per_row_forward=0.05))
+    seen, probed = [], []
+    for _ in range(3 * (policy.probe_every + 1)):
+        before = policy.probes
+        ks = policy.choose([RowInfo("fixed", 2, fixed=True), RowInfo("poor", 8, acceptance=0.0)])
+        policy.record(["fixed", "poor"], ks, [2, 0], kinds=[MODEL] * 2, draft_s=0.03, verify_s=0.1, forwards=max(ks))
+        seen.append(ks[1])
+        probed += [ks[1]] * (policy.probes - before)
+    assert probed == [2, 2, 2]  # every probe_every + 1 rounds, 2 drafts: the plan's width
+    assert seen.count(0) == len(seen) - 3  # otherwise the plan leaves it at k 0
 
 
 def test_plans_do_not_follow_wall_clock_noise():
