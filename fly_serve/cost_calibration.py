@@ -47,6 +47,7 @@ import torch
 
 from .config import EngineConfig
 from .contracts import Drafts, Row
+from .onednn_linear import ENV as LINEAR_ENV
 from .round_cost import BatchVerify, CostProfile, fit_per_forward
 from .weights import cache_dir
 
@@ -58,7 +59,9 @@ log = logging.getLogger("fly_serve.cost_calibration")
 # short and long calls alternate, a long call drafts 8, and the curves are the lower envelope of
 # their points (profiles before were noisier: a served drafter priced 2x). 5: 3 passes over all
 # points instead of 3 calls of each in a row (a drift over the minute read as a shape's cost).
-FORMAT = 5
+# 6: an fp32 model's linear layers may run on oneDNN, packed (onednn_linear.py; about 2x faster on
+# an AMD CPU); machine() also keys FLY_SERVE_LINEAR, an operator's override of that choice.
+FORMAT = 6
 DRAFT_K = 8  # drafts per row of the drafter's long call (the short one drafts 1)
 CONTEXT_TOKENS = 16  # context of each timing row: a verify feeds its last token and drafts only
 KEY_PREFIX = "calibrate-"
@@ -89,6 +92,7 @@ def machine() -> dict:
         "torch_threads": torch.get_num_threads(),
         "gpu": gpu,
         "gpus": torch.cuda.device_count() if gpu else 0,
+        "linear": os.environ.get(LINEAR_ENV, "") or "auto",  # an override of onednn_linear.choose
     }
 
 

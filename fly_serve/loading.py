@@ -7,7 +7,8 @@ in the cache (weights.converted_path), so a start loads it instead of quantizing
 for on a GPU resolves to bf16 (logged): torch.ao's dynamic int8 has no GPU kernels, and a profile's
 drafter precision must not stop a GPU host from starting.
 The device is the caller's (devices.py: what Ray assigned), by default this process's own. A drafter
-may also cut its lm_head to the ids below `head_cut` (head_cut.py). A tensor-parallel rank reads
+may also cut its lm_head to the ids below `head_cut` (head_cut.py). An fp32 model on a CPU gets
+its linear layers packed for oneDNN where that times faster here (onednn_linear.py). A tensor-parallel rank reads
 only its shard's slices from the safetensors files (sharded_load.py), so a rank's host memory is
 about 1/TP of the weights.
 """
@@ -18,7 +19,7 @@ import warnings
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from . import tp
+from . import onednn_linear, tp
 from .devices import is_gpu, local_device
 from .head_cut import check_head_cut, cut_head
 from .sharded_load import load_shard
@@ -111,6 +112,8 @@ def load_model(
         model = _cut(_pretrained(name, DTYPES[precision], progress), name, head_cut, progress)
     if world > 1:
         tp.shard(model, rank, world)
+    elif device.type == "cpu":
+        onednn_linear.use_where_faster(model, progress)  # fp32 layers only; measured here
     return model.to(device)
 
 
