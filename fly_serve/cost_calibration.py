@@ -45,9 +45,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from . import onednn_linear
 from .config import EngineConfig
 from .contracts import Drafts, Row
-from .onednn_linear import ENV as LINEAR_ENV
 from .round_cost import BatchVerify, CostProfile, fit_per_forward
 from .weights import cache_dir
 
@@ -60,7 +60,7 @@ log = logging.getLogger("fly_serve.cost_calibration")
 # their points (profiles before were noisier: a served drafter priced 2x). 5: 3 passes over all
 # points instead of 3 calls of each in a row (a drift over the minute read as a shape's cost).
 # 6: an fp32 model's linear layers may run on oneDNN, packed (onednn_linear.py; about 2x faster on
-# an AMD CPU); machine() also keys FLY_SERVE_LINEAR, an operator's override of that choice.
+# an AMD CPU); machine() also keys the kernels chosen at load (or forced by FLY_SERVE_LINEAR).
 FORMAT = 6
 DRAFT_K = 8  # drafts per row of the drafter's long call (the short one drafts 1)
 CONTEXT_TOKENS = 16  # context of each timing row: a verify feeds its last token and drafts only
@@ -92,7 +92,9 @@ def machine() -> dict:
         "torch_threads": torch.get_num_threads(),
         "gpu": gpu,
         "gpus": torch.cuda.device_count() if gpu else 0,
-        "linear": os.environ.get(LINEAR_ENV, "") or "auto",  # an override of onednn_linear.choose
+        # the fp32 linear kernels chosen at load in this process (a target in a replica of its
+        # own chooses there, unseen here: its shape names the topology instead)
+        "linear": onednn_linear.in_use(),
     }
 
 

@@ -106,8 +106,23 @@ def choose(model: nn.Module, progress=print) -> str:
     return choice
 
 
+# The kernels this process's fp32 models run on, as chosen at load: the cost profile's cache key
+# names them (cost_calibration.machine), so a profile timed on one kernel is not read back for the
+# other when a start near the margin chooses differently.
+chosen: set[str] = set()
+
+
+def in_use() -> str:
+    """The kernels chosen for this process's fp32 models ("dense", "onednn", both), or "none"."""
+    return "+".join(sorted(chosen)) or "none"
+
+
 def use_where_faster(model: nn.Module, progress=print) -> nn.Module:
     """The fp32 CPU model with its linear layers packed for oneDNN if `choose` says so."""
-    if choose(model, progress) == "onednn":
+    fp32 = any(type(m) is nn.Linear and m.weight.dtype == torch.float32 for m in model.modules())
+    choice = choose(model, progress)
+    if choice == "onednn":
         pack(model)
+    if fp32:  # a bf16 model's layers are oneDNN's anyway: nothing chosen
+        chosen.add(choice)
     return model

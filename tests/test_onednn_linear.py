@@ -62,3 +62,19 @@ def test_the_choice_honours_its_override_and_keeps_small_or_non_fp32_models_dens
     assert choose(big, said.append) in onednn_linear.CHOICES
     assert len(said) == 1 and "1024 x 1024" in said[0] and "ms dense" in said[0]  # what was measured, said
     assert pack(big) == 1 and type(big[0]) is PackedLinear
+
+
+def test_the_cost_profiles_key_names_the_kernels_chosen_at_load(monkeypatch):
+    from fly_serve.cost_calibration import machine
+
+    monkeypatch.setattr(onednn_linear, "chosen", set())  # this process's record, fresh
+    assert machine()["linear"] == "none"
+    monkeypatch.setenv(ENV, "dense")
+    load_model("tiny:0", "fp32")
+    assert machine()["linear"] == "dense"
+    monkeypatch.setenv(ENV, "onednn")
+    load_model("tiny:1", "fp32")
+    assert machine()["linear"] == "dense+onednn"  # a profile timed on other kernels is not read back
+    monkeypatch.setattr(onednn_linear, "chosen", set())
+    onednn_linear.use_where_faster(nn.Sequential(nn.Linear(64, 64).to(torch.bfloat16)))
+    assert machine()["linear"] == "none"  # bf16 layers are oneDNN's anyway: nothing chosen
