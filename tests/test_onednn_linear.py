@@ -14,6 +14,14 @@ from fly_serve.onednn_linear import ENV, PackedLinear, choose, pack
 pytestmark = pytest.mark.skipif(not onednn_linear.available(), reason="this torch has no oneDNN linear")
 
 
+@pytest.fixture(autouse=True)
+def own_choice(monkeypatch):
+    """Each test with no override from the environment and its own record of kernels chosen, so
+    that neither reaches the rest of the session."""
+    monkeypatch.delenv(ENV, raising=False)
+    monkeypatch.setattr(onednn_linear, "chosen", set())
+
+
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("shape", [(1, 64), (3, 5, 64), (2, 1, 64)])
 def test_a_packed_layer_computes_what_the_layer_does(bias, shape):
@@ -67,7 +75,6 @@ def test_the_choice_honours_its_override_and_keeps_small_or_non_fp32_models_dens
 def test_the_cost_profiles_key_names_the_kernels_chosen_at_load(monkeypatch):
     from fly_serve.cost_calibration import machine
 
-    monkeypatch.setattr(onednn_linear, "chosen", set())  # this process's record, fresh
     assert machine()["linear"] == "none"
     monkeypatch.setenv(ENV, "dense")
     load_model("tiny:0", "fp32")
@@ -78,3 +85,23 @@ def test_the_cost_profiles_key_names_the_kernels_chosen_at_load(monkeypatch):
     monkeypatch.setattr(onednn_linear, "chosen", set())
     onednn_linear.use_where_faster(nn.Sequential(nn.Linear(64, 64).to(torch.bfloat16)))
     assert machine()["linear"] == "none"  # bf16 layers are oneDNN's anyway: nothing chosen
+
+
+def test_the_timed_layer_is_never_the_head_cut_or_whole(monkeypatch):
+    from fly_serve.head_cut import CutHead
+
+    model = nn.Module()
+    model.layer = nn.Linear(1024, 1024)
+    model.lm_head = CutHead(nn.Linear(1024, 4096), torch.arange(2048))  # its .proj: 2048 x 1024, the largest
+    said = []
+    choose(model, said.append)
+    assert len(said) == 1 and "1024 x 1024" in said[0] and "2048" not in said[0]
+
+
+def test_a_forced_onednn_without_onednn_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(onednn_linear, "available", lambda: False)  # a torch build without it
+    monkeypatch.setenv(ENV, "onednn")
+    with pytest.raises(ValueError, match="no oneDNN"):
+        choose(nn.Sequential(nn.Linear(64, 64)))
+    monkeypatch.setenv(ENV, "dense")
+    assert choose(nn.Sequential(nn.Linear(64, 64))) == "dense"
