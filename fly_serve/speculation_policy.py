@@ -30,12 +30,12 @@ cost check sees a drafting round, so a wrong seed (a profile that overprices dra
 itself within a few probes, and a row that was written off is tried again. A row alone probes
 min(probe_k, its cap) drafts. In a batch a probe is paid by every row: the target verifies
 [B, max k + 1], so a probe wider than the plan widens all B rows, and each of its drafts past the
-plan's adds a drafter forward. So there a probe rides at the plan's width (a row below the widest
-verifies for free, in forwards the drafter runs anyway), and where the plan drafts nothing (plain
-decoding for the whole batch) it drafts 1 and the batch probes at most once every probe_every + 1
-rounds. (Before, a batch of 8 rows planned at k = 0 probed a row at k = 4 every round once the
-rows were due: each round then verified [8, 5] and ran 4 drafter forwards, about twice an ar
-round, for one row's measurement.)
+plan's adds a drafter forward. So there a probe rides at the plan's widest model-drafter k (a row
+below it verifies for free, in forwards the drafter runs anyway), and where the plan runs no
+drafter forward (plain decoding, or only lookup drafts) it drafts 1 and the batch probes at most
+once every probe_every + 1 rounds. (Before, a batch of 8 rows planned at k = 0 probed a row at
+k = 4 every round once the rows were due: each round then verified [8, 5] and ran 4 drafter
+forwards, about twice an ar round, for one row's measurement.)
 """
 
 import logging
@@ -129,7 +129,9 @@ class SpeculationPolicy:
         rounds: at most max_probes a round, the longest idle first (ties: batch order), so every
         row of a batch gets its turn. In a batch, at the plan's width, and where the plan drafts
         nothing, 1 draft at most once every probe_every + 1 rounds (the module docstring)."""
-        idle, width, batch = self._idle, max(ks, default=0), len(rows) > 1
+        # the model drafter's width: a lookup row's drafts (pld, suffix) cost no drafter forward
+        width = max((k for r, k in zip(rows, ks) if r.drafter == MODEL), default=0)
+        idle, batch = self._idle, len(rows) > 1
         for r, k in zip(rows, ks):
             if r.fixed or r.drafter == NONE or r.k_max <= 0 or k > 0:
                 idle.pop(r.key, None)

@@ -584,6 +584,23 @@ def test_a_probe_in_a_batch_rides_at_the_plans_width():
     assert seen.count(0) == len(seen) - 3  # otherwise the plan leaves it at k 0
 
 
+def test_a_batch_whose_only_drafts_are_lookups_probes_one_draft_now_and_then():
+    """A fixed prompt-lookup row drafts 4 (no drafter forward) beside 4 model rows planned at
+    k = 0: the drafter runs for a probe of 1 draft every probe_every + 1 rounds, not for a probe
+    at the lookup's width every round as the rows fall due in turn."""
+    policy = SpeculationPolicy.from_profile(flat_profile(0.1, per_forward=0.01, per_row_forward=0.05))
+    keys = ["lookup", *(f"poor{b}" for b in range(4))]
+    period, probed = policy.probe_every + 1, []
+    for _ in range(4 * period):
+        before = policy.probes
+        rows = [RowInfo("lookup", 4, drafter=PLD, fixed=True), *(RowInfo(k, 8, acceptance=0.0) for k in keys[1:])]
+        ks = policy.choose(rows)
+        kinds = [PLD] + [MODEL] * 4
+        policy.record(keys, ks, [0] * 5, kinds=kinds, draft_s=0.01, verify_s=0.1, forwards=max(ks[1:]))
+        probed.append(sorted(ks[1:])[-1] if policy.probes > before else 0)
+    assert ks[0] == 4 and probed == [0] * (period - 1) + [1] + ([0] * (period - 1) + [1]) * 3
+
+
 def test_plans_do_not_follow_wall_clock_noise():
     """A row alone on a calibrated profile, times with 10% noise: the same ks whatever the noise."""
     verify = lambda n: 0.1 + 0.002 * n
