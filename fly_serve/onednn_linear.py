@@ -78,6 +78,11 @@ def timings(linear: nn.Linear) -> dict[str, list[float]]:
     return {"dense": [_fastest_ms(linear, x) for x in xs], "onednn": [_fastest_ms(packed, x) for x in xs]}
 
 
+def fp32_linears(model: nn.Module) -> list[nn.Linear]:
+    """The model's plain fp32 nn.Linear layers: what a choice concerns (bf16 is oneDNN's anyway)."""
+    return [m for m in model.modules() if type(m) is nn.Linear and m.weight.dtype == torch.float32]
+
+
 def choose(model: nn.Module, progress=print) -> str:
     """The choice, "onednn" or "dense", for this model's fp32 linear layers here (dense if it has none):
     FLY_SERVE_LINEAR if set, else dense unless oneDNN is available and times the largest layer
@@ -85,7 +90,7 @@ def choose(model: nn.Module, progress=print) -> str:
     forced = os.environ.get(ENV, "").strip().lower()
     if forced and forced not in CHOICES:
         raise ValueError(f"{ENV}: must be one of {', '.join(CHOICES)} (got {forced!r})")
-    linears = [m for m in model.modules() if type(m) is nn.Linear and m.weight.dtype == torch.float32]
+    linears = fp32_linears(model)
     if not linears:
         return "dense"
     if forced == "onednn" and not available():
@@ -126,10 +131,10 @@ def in_use() -> str:
 
 def use_where_faster(model: nn.Module, progress=print) -> nn.Module:
     """The fp32 CPU model with its linear layers packed for oneDNN if `choose` says so."""
-    fp32 = any(type(m) is nn.Linear and m.weight.dtype == torch.float32 for m in model.modules())
+    concerned = bool(fp32_linears(model))  # before packing replaces them
     choice = choose(model, progress)
     if choice == "onednn":
         pack(model)
-    if fp32:  # a bf16 model's layers are oneDNN's anyway: nothing chosen
+    if concerned:
         chosen.add(choice)
     return model

@@ -127,7 +127,7 @@ class SpeculationPolicy:
     def _probe(self, rows: list[RowInfo], ks: list[int]) -> list[int]:
         """ks, with a probe's k for adaptive rows that have sat at k = 0 for more than probe_every
         rounds: at most max_probes a round, the longest idle first (ties: batch order), so every
-        row of a batch gets its turn. In a batch, at the plan's width, and where the plan drafts
+        row of a batch gets its turn. In a batch, at the draft model's widest k, and where it drafts
         nothing, 1 draft at most once every probe_every + 1 rounds (the module docstring)."""
         # the model drafter's width: a lookup row's drafts (pld, suffix) cost no drafter forward
         width = max((k for r, k in zip(rows, ks) if r.drafter == MODEL), default=0)
