@@ -33,6 +33,10 @@ class Row:
     entropy: str | None = None  # the gate's entropy for this row; None: the row decides strictly
     rho: float = 0.0  # the plausibility guard of a row that decides loosely (0: none; params.rho)
     min_confidence: float = 0.0  # a model drafter stops the row once its own probability falls below
+    # The model drafter's seconds per row of a batched forward over its seconds per forward (the
+    # cost profile's per_row_forward / per_forward); None: unknown. It decides whether a forward
+    # carries its rows' lookup proposals (drafters.lookups_pay).
+    row_share: float | None = None
     # MLA: the proposal sources a model drafter tries, in order, at each of its forwards (the first
     # that proposes anything wins; params.MLA_SOURCES); a drafter without a source skips it.
     mla_sources: tuple[str, ...] = ("pld",)

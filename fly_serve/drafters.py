@@ -14,6 +14,10 @@ ModelDrafter  a small model with its own KV cache. With MLA (multi-level acceler
   likeliest-right source first (the row's own text, then earlier requests, then the recycled
   top-1 chain, which nearly always proposes something). The drafter verifies whichever it uses,
   so its output distribution, and the target's output, never depend on the source.
+  In a batch, a proposal widens the shared forward and saves a forward only if every row's holds,
+  so where a forward costs by its width (a CPU) a batch's proposals are mostly a loss: a forward
+  carries its greedy rows' proposals only where they pay (lookups_pay, from the row's own history
+  of kept proposals and the cost profile's price of a row, Row.row_share).
   Structured output (a row with Row.grammar): the drafter drafts under the row's grammar, its
   logits masked at every position by the grammar's state after the tokens drafted so far
   (grammar.DraftMatchers), so greedy drafts are legal and a sampled draft's q is the masked
@@ -27,6 +31,7 @@ ModelDrafter  a small model with its own KV cache. With MLA (multi-level acceler
   call's tokens continue the bet (a hit), so a lost bet leaves no trace in the row's samples.
 """
 
+import math
 from dataclasses import replace
 
 import torch
@@ -37,6 +42,25 @@ from .grammar import DraftMatchers, Grammars, Matcher, apply_masks
 from .runner import Runner
 from .sampling import Generators, probs, speculative_row, wire_q
 from .verify import decide, greedy_check, padded
+
+
+def lookups_pay(kept: list[float | None], share: float) -> bool:
+    """Whether a batched drafter forward should carry its rows' lookup proposals.
+
+    kept: per row of the forward, the chance that its proposal's first token holds (None: the row
+    has no proposal); share: a row's seconds in a forward over the forward's own (the cost
+    profile's per_row_forward / per_forward). Counted in forwards: each proposal's first token
+    widens the forward by `share`; where it holds, its row needs one row-forward less later (share
+    back), and only where every row's holds does the batch need one forward less (1). So they
+    pay iff
+
+        prod(kept) >= share x sum over proposing rows of (1 - kept_b).
+
+    Alone that is kept >= share / (1 + share): nearly always. In a batch on a CPU, where a row
+    costs a sizable share of a forward, one row without a proposal makes them a loss; where width
+    is free (share 0, a GPU's forward) they ride at any batch."""
+    all_hold = math.prod(q or 0.0 for q in kept)
+    return all_hold >= share * sum(1 - q for q in kept if q is not None)
 
 
 class PromptLookup:
@@ -102,6 +126,8 @@ class ModelDrafter:
         self.bets: dict[str, tuple[torch.Tensor, list[int] | None]] = {}
         self.matchers: DraftMatchers | None = None  # structured output (share_grammars)
         self.forwards = 0  # drafter forwards, all rows together, since start
+        # per row: [proposals whose first token held, proposals] (lookups_pay), from a prior of 1 in 2
+        self.proposals_kept: dict[str, list[int]] = {}
         self.hits = 0  # rows whose KV cache this drafter already held (session affinity)
         self.misses = 0
 
@@ -218,6 +244,7 @@ class ModelDrafter:
             p, mask = self._proposal(r, c, r.k - len(d) - 1, m)
             proposals.append(p)
             masks.append(mask)
+        proposals = self._carried(rows, proposals, matchers)
         logits, _ = self.runner.feed(
             [r.key for r in rows], [c + p for c, p in zip(contexts, proposals)], tail=[1 + len(p) for p in proposals]
         )
@@ -240,6 +267,9 @@ class ModelDrafter:
             conf = torch.softmax(last.float(), -1).max(-1).values.cpu()
             unsure = {b for b, r in enumerate(rows) if not r.sampled and conf[b] < floor[b]}
         for b, (r, a) in enumerate(zip(rows, accept_len.tolist())):
+            if proposals[b]:
+                tally = self.proposals_kept.setdefault(r.key, [1, 2])
+                tally[0], tally[1] = tally[0] + (a > 0), tally[1] + 1
             new = proposals[b][:a] + [int(y[b, a])]
             room = r.k - len(drafts[b])
             drafts[b].extend(new[:room])
@@ -248,6 +278,23 @@ class ModelDrafter:
             if r.sampled:  # q goes to the verifier, maybe through Ray: host memory is its wire format
                 qs[b].extend(probs(logits[b, : min(a + 1, room)], r.temperature, r.top_p).cpu())
         return unsure
+
+    def _carried(self, rows: list[Row], proposals: list[list[int]], matchers: list[Matcher | None]) -> list[list[int]]:
+        """The proposals a forward carries: all of them, or where they do not pay (lookups_pay)
+        none of its greedy unconstrained rows'. A sampled row's draws follow its proposals, so they
+        never depend on its batch; a constrained row's lead with the tokens its grammar forces."""
+        share = rows[0].row_share if rows else None
+        if share is None or not any(proposals):
+            return proposals
+        kept = [self._kept(r.key) if p else None for r, p in zip(rows, proposals)]
+        if lookups_pay(kept, share):
+            return proposals
+        return [p if r.sampled or m is not None else [] for r, p, m in zip(rows, proposals, matchers)]
+
+    def _kept(self, key: str) -> float:
+        """The row's share of proposals whose first token held (lookups_pay)."""
+        held, made = self.proposals_kept.get(key, (1, 2))
+        return held / made
 
     def _proposal(
         self, row: Row, context: list[int], room: int, m: Matcher | None
@@ -280,3 +327,4 @@ class ModelDrafter:
             self.matchers.release(keys)
         for key in keys:
             self.bets.pop(key, None)
+            self.proposals_kept.pop(key, None)

@@ -477,9 +477,16 @@ class Engine:
             p.seed,
             entropy,
             rho=rho,
+            row_share=self._row_share(),
             mla_sources=p.mla_levels,
             grammar=grammar,
         )
+
+    def _row_share(self) -> float | None:
+        """A row's seconds in a drafter forward over the forward's own, as k auto's cost model
+        prices them (the model drafter carries lookup proposals where they pay, drafters.py)."""
+        _, per_forward, per_row = self.policy.cost.draft_coefficients
+        return float(per_row / per_forward) if per_forward > 0 else None
 
     def _draft(self, batch: list[Request], rows: list[Row], held: list[Ahead | None]) -> tuple[Drafts, bool]:
         """Drafts for every row, and whether the model drafter failed this round. Its compute

@@ -7,8 +7,10 @@ import torch
 
 from fly_serve import prompt_lookup
 from fly_serve.build import build_engine
+from fly_serve.drafters import lookups_pay
 from fly_serve.engine import Engine
 from fly_serve.params import ParamError, Params
+from fly_serve.round_cost import CostProfile
 from fly_serve.runner import Runner
 from fly_serve.tiny import tiny_model, tiny_tokenizer
 
@@ -419,6 +421,41 @@ def test_mla_sources_advance_the_drafter_several_tokens_per_forward():
     mla = eng.generate(PROMPTS[:1], dict(mode="spd", k=8, mla_sources="suffix", max_tokens=30))[0]
     assert alone.generated == mla.generated == VARIED_AR[0]
     assert mla.stats.drafted == alone.stats.drafted and drafter.forwards - before < without / 2
+
+
+@pytest.mark.parametrize("row_price, carried", [(0.1, False), (0.0, True)])
+def test_a_batch_carries_lookup_proposals_only_where_they_pay(row_price, carried):
+    """A repeated request, proposed whole by the suffix index, shares the drafter's forwards with a
+    request that has no proposal. Where a row costs a share of a forward (a CPU's profile), its
+    proposals would widen every forward and never save one: the forward drafts it a token (as
+    without MLA). Where width is free (a GPU's), they ride and the repeated row drafts in a few
+    forwards. The text is ar either way."""
+    eng = varied_engine(drafter=VARIED)
+    eng.policy.set_profile(CostProfile([1, 2], [1.0, 1.1], draft_per_forward=1.0, draft_per_row_forward=row_price))
+    eng.generate(PROMPTS[:1], dict(mode="ar", max_tokens=30))
+    drafter, shared = eng.drafters["model"], []  # the repeated row's (drafts, forwards) in shared calls
+    propose = drafter.propose
+
+    def recorded(rows):
+        got = propose(rows)
+        if len(rows) == 2:
+            shared.append((len(got.tokens[0]), got.row_forwards[0]))
+        return got
+
+    drafter.propose = recorded
+    knobs = dict(mode="spd", k=8, max_tokens=30)
+    reqs = eng.generate(PROMPTS[:2], [{**knobs, "mla_sources": "suffix"}, {**knobs, "mla": False}])
+    assert [r.generated for r in reqs] == VARIED_AR[:2]
+    drafted, forwards = map(sum, zip(*shared))
+    assert drafted >= 16 and (forwards < drafted / 2) == carried
+
+
+def test_lookups_pay_alone_and_in_batches_by_the_price_of_a_row():
+    assert lookups_pay([0.5], 0.06) and not lookups_pay([0.02], 0.06)  # alone: unless they never hold
+    assert lookups_pay([0.5, 0.5], 0.06)  # two rows: the forward they may save is worth it
+    assert not lookups_pay([0.5] * 8, 0.06)  # eight: all eight must hold to save one
+    assert not lookups_pay([0.9, None], 0.06)  # a row without a proposal: no forward can be saved
+    assert lookups_pay([0.5] * 8, 0.0) and lookups_pay([0.9, None], 0.0)  # width for free (a GPU)
 
 
 def test_a_batch_mixing_every_mode_equals_ar():
