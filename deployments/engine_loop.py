@@ -187,11 +187,18 @@ class EngineLoop:
             "running": len(self.engine.running),
             "waiting": len(self.engine.waiting),
             "finished": dict(self.finished),
-            # k auto under load: the drafter priced as rounds of 2+ rows measure it (fly_serve/under_load.py)
+            # k auto under load: the drafter and the width priced as rounds of 2+ rows measure them
+            # (fly_serve/under_load.py)
             "k_auto_under_load": {
                 "rounds": self.engine.policy.under_load.rounds,
                 "refits": self.engine.policy.under_load.refits,
                 "draft_ratio": self.engine.policy.under_load.applied,
+                "draft_pairs": self.engine.policy.under_load.draft_pairs,
+                "draft_slope": self.engine.policy.under_load.applied_slope,
+                "draft_round_s": self.engine.policy.under_load.applied_round_s,
+                "width_pairs": self.engine.policy.under_load.pairs,
+                "width_beta": self.engine.policy.under_load.applied_beta,
+                "width_steps": self.engine.policy.width_steps,
             },
             "k_auto_probes": self.engine.policy.probes,  # rows k auto made draft to measure them again
             # mean seconds per round by phase; call minus compute is transport

@@ -348,6 +348,7 @@ class Engine:
             forwards=drafts.forwards,
             row_forwards=drafts.row_forwards,
             ahead=[h is not None for h in held],
+            prefilled=any(req.stats.rounds == 1 for req in batch),
         )
         self._settle(batch, made, a_list, y, result)
         return result

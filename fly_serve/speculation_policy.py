@@ -5,7 +5,8 @@ The parts, one job each:
   round_cost.py   CostProfile (the measurement) and RoundCostModel (frozen predictions)
   allocator.py    plan: the ks of one round for the most expected tokens per predicted second
   cost_check.py   CostCheck: a profile whose shape the measured rounds contradict is replaced
-  under_load.py   UnderLoad: the model of rounds of two rows or more, the drafter priced as they measure it
+  under_load.py   UnderLoad: the model of rounds of two rows or more, the drafter (a forward, a
+                  round) and the width priced as they measure them
   cost_calibration.py  measures a profile where the engine runs (cached per machine and models)
 
 Determinism. A row alone is planned from the frozen cost model and its own acceptance history,
@@ -19,10 +20,15 @@ tolerance (short timing rows against long contexts), and a correction mid-servic
 the plan, hence the text, of the next identical request.
 
 Under load. Rounds of two rows or more are planned from UnderLoad's model (under_load.py): the
-frozen one with the drafter priced against the target as the rounds under load measure it. There
+frozen one with the drafter's forwards and rounds priced against the target, and the target's
+width against its base, as the rounds under load measure them. There
 the profile's error is as large as the differences between plans (a served ingress streams text
 while the drafter runs), and a batch's text already depends on its other rows (the bf16 target
-rounds a wider forward otherwise).
+rounds a wider forward otherwise). To read the price of width UnderLoad needs consecutive
+rounds of two widths, and a plan in steady state keeps one: so every `width_every`-th round of
+two rows or more (with a batch table to price it), the rows at the plan's widest model-drafter k
+draft one more, and the next time one fewer (a width step; the plan's k's neighbours are what
+the plan weighs it against, so a step costs little where the plan is right).
 
 Exploration. A row the plan leaves at k = 0 for `probe_every` rounds in a row gets a probe round
 (with no early stop; at most `max_probes` rows a round): its acceptance is measured again, and the
@@ -64,6 +70,7 @@ class SpeculationPolicy:
         probe_every: int = 6,
         probe_k: int = 4,
         max_probes: int = 1,
+        width_every: int = 6,
         check: CostCheck | None = None,
         under_load: UnderLoad | None = None,
     ):
@@ -72,6 +79,9 @@ class SpeculationPolicy:
         self.check = check if check is not None else CostCheck()
         self.under_load = under_load if under_load is not None else UnderLoad()
         self.probe_every, self.probe_k, self.max_probes = probe_every, probe_k, max_probes
+        self.width_every = width_every
+        self._batch_rounds = 0  # rounds of 2+ rows chosen (the width steps' clock)
+        self.width_steps = 0  # rounds whose width was stepped since the start (the service's stats)
         self.frozen = False  # True: the cost check is off (a profile measured here, or corrected once)
         self.last: Plan | None = None  # the plan of the round last chosen (before probes)
         self._idle: dict[str, int] = {}  # rounds in a row the plan left each row at k = 0
@@ -115,14 +125,32 @@ class SpeculationPolicy:
             )
             for r in rows
         ]
-        self.last = plan(rows, self.cost_for(len(rows)), overlap=self.overlap)
-        return self._probe(rows, list(self.last.ks))
+        cost = self.cost_for(len(rows))
+        self.last = plan(rows, cost, overlap=self.overlap)
+        return self._probe(rows, self._step_width(rows, list(self.last.ks), cost))
 
     def cost_for(self, n_rows: int) -> RoundCostModel:
         """The model a round of n_rows is planned from: the frozen one for a row alone, UnderLoad's
         corrected one (once it has rounds to go on) for two rows or more."""
         loaded = self.under_load.model
         return loaded if n_rows > 1 and loaded is not None else self.cost
+
+    def _step_width(self, rows: list[RowInfo], ks: list[int], cost: RoundCostModel) -> list[int]:
+        """ks, with every width_every-th round of two rows or more a width step (the module
+        docstring): adaptive model rows at the widest k draft one more, or one fewer, in turn."""
+        if len(rows) < 2 or self.width_every <= 0 or not cost.batched:
+            return ks
+        self._batch_rounds += 1
+        steppable = [b for b, r in enumerate(rows) if r.drafter == MODEL and not r.fixed and r.k_max > 0]
+        width = max((ks[b] for b in steppable), default=0)
+        if self._batch_rounds % self.width_every or width == 0:
+            return ks
+        step = 1 if (self._batch_rounds // self.width_every) % 2 else -1
+        for b in steppable:
+            if ks[b] == width:
+                ks[b] = min(width + step, rows[b].k_max)
+        self.width_steps += 1
+        return ks
 
     def _probe(self, rows: list[RowInfo], ks: list[int]) -> list[int]:
         """ks, with a probe's k for adaptive rows that have sat at k = 0 for more than probe_every
@@ -172,12 +200,14 @@ class SpeculationPolicy:
         forwards: int = 0,
         row_forwards: list[int] | None = None,
         ahead: list[bool] | None = None,
+        prefilled: bool = False,
     ):
         """One finished round, per row: key, drafts, kept (accepted + loosely accepted), how it
         drafted (round_cost.KINDS; the caller says, since choose may not have run), and the
         drafter forwards it was in if the drafter reports them (MLA's tokens per forward).
         forwards: the model drafter's forwards this round; ahead: per row, its drafts were made
-        while the round before was verified (not in this round's forwards nor its draft_s)."""
+        while the round before was verified (not in this round's forwards nor its draft_s);
+        prefilled: a row's prompt was prefilled in this round's forwards (UnderLoad skips it)."""
         model = [kind == MODEL for kind in kinds]
         per_row = row_forwards if row_forwards is not None else [None] * len(keys)
         now = [not a for a in ahead] if ahead is not None else [True] * len(keys)
@@ -187,7 +217,9 @@ class SpeculationPolicy:
             for key, n, f, m, here in zip(keys, drafted, per_row, model, now)
             if m and n > 0 and here
         )
-        if len(keys) > 1:
+        if len(keys) < 2 or prefilled:
+            self.under_load.skip()
+        else:
             self.under_load.observe(self.cost, drafted, forwards, rows_in_forwards, draft_s, verify_s)
         if self.frozen:
             return

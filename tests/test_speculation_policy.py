@@ -2,6 +2,8 @@
 policy's probes and cost check on fake cost functions (no speed asserted)."""
 
 import itertools
+import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -13,7 +15,7 @@ from fly_serve.cost_calibration import batch_shapes, verify_points
 from fly_serve.cost_check import CostCheck, point_of
 from fly_serve.round_cost import MODEL, NONE, PLD, BatchVerify, CostProfile, RoundCostModel
 from fly_serve.speculation_policy import SpeculationPolicy
-from fly_serve.under_load import UnderLoad
+from fly_serve.under_load import UnderLoad, width_price
 
 
 def cost_model(verify_at_1=0.02, per_token=0.0, per_forward=0.0, per_row_forward=0.0, per_round=0.0):
@@ -673,6 +675,109 @@ def test_under_load_reads_the_drafter_against_the_target_of_the_same_round():
         load.observe(cost, ks, 2, 6, 2 * draft, verify)
     assert load.applied == pytest.approx(2.0) and load.model.draft_s(2, 6) == pytest.approx(2 * cost.draft_s(2, 6))
     assert load.model.verify_round_s(ks) == pytest.approx(verify)  # the target's shape is the profile's
+
+
+@pytest.mark.parametrize("true_width, planned", [(0.015, 2), (0.06, 0)])
+def test_rounds_under_load_price_the_width_as_they_measure_it(true_width, planned):
+    """The calibration priced one more token a row at 0.03 s a row and planned k 1 for 8 rows;
+    under load it costs half (k 2 pays) or twice that (plain decoding pays), while the host's
+    memory-bound base forward and the drafter drift by 30% over the rounds. Width steps give
+    pairs of rounds of two widths, and the batch moves to the plan of the true costs; a row alone
+    keeps the frozen plan."""
+    frozen = shaped_profile(lambda b, t: 0.3 + 0.02 * b + 0.03 * b * (t - 1), 0.03, 0.005)
+    policy = SpeculationPolicy.from_profile(frozen)
+    policy.set_profile(frozen, measured_here=True)
+    rows = [RowInfo(str(b), 8, acceptance=0.8) for b in range(8)]
+    keys = [r.key for r in rows]
+    assert policy.choose(rows) == [1] * 8 and policy.width_steps == 0
+    for i in range(150):
+        ks = policy.choose(rows)
+        slow = 1.0 + 0.3 * math.sin(i / 15)  # drift: the base and the drafter, not the width
+        forwards = max(ks)
+        policy.record(
+            keys,
+            ks,
+            ks,
+            kinds=[MODEL] * 8,
+            draft_s=(0.03 * forwards + 0.005 * sum(ks)) * slow * (forwards > 0),
+            verify_s=(0.3 + 0.02 * 8) * slow + true_width * 8 * max(ks),
+            forwards=forwards,
+            row_forwards=ks,
+        )
+    assert policy.width_steps > 0 and policy.under_load.pairs >= policy.under_load.min_pairs
+    assert policy.under_load.beta == pytest.approx(true_width / 0.03, rel=0.1)
+    policy.choose(rows)
+    assert policy.last.ks == [planned] * 8
+    alone = [RowInfo("c", 8, acceptance=0.8)]
+    assert policy.choose(alone) == plan(alone, RoundCostModel(frozen)).ks
+
+
+@pytest.mark.parametrize("width_every", [6, 0])
+def test_a_drafting_round_under_load_pays_a_fixed_price_as_the_pairs_read_it(width_every):
+    """Served, a round's first drafter forward shares the cores with that round's streaming: the
+    drafter costs its profiled forwards plus 0.1 s a round, the host drifting by 30%. Read as one
+    ratio, that price charges long drafts more, not less; the pairs of rounds the width steps make
+    read the drafter's slope (as profiled) and its fixed price, and the batch moves from the
+    profile's k 2 at 8 rows to the true costs' k 3. Without width steps the plan never varies and
+    the one ratio stays."""
+    shape = lambda b, t: 0.3 + 0.02 * b + 0.02 * b * (t - 1)  # noqa: E731
+    frozen = shaped_profile(shape, 0.01, 0.002)
+    truth = RoundCostModel(replace(frozen, draft_per_round=0.1))
+    policy = SpeculationPolicy(RoundCostModel(frozen), AcceptanceTracker(), width_every=width_every)
+    policy.set_profile(frozen, measured_here=True)
+    rows = [RowInfo(str(b), 8, acceptance=0.8) for b in range(8)]
+    keys = [r.key for r in rows]
+    assert policy.choose(rows) == [planned_k(frozen, 8, 0.8)] * 8 == [2] * 8
+    for i in range(200):
+        ks = policy.choose(rows)
+        slow, forwards = 1.0 + 0.3 * math.sin(i / 15), max(ks)
+        policy.record(
+            keys,
+            ks,
+            ks,
+            kinds=[MODEL] * 8,
+            draft_s=float(truth.draft_s(forwards, sum(ks))) * slow,
+            verify_s=shape(8, forwards + 1) * slow,
+            forwards=forwards,
+            row_forwards=ks,
+        )
+    policy.choose(rows)
+    if width_every:
+        assert policy.under_load.draft_pairs >= policy.under_load.min_pairs
+        assert policy.under_load.applied_slope == pytest.approx(1.0, rel=0.05)
+        assert policy.under_load.applied_round_s == pytest.approx(0.1, rel=0.05)
+        assert policy.last.ks == [planned_k(truth.profile, 8, 0.8)] * 8 == [3] * 8
+    else:
+        assert policy.under_load.draft_pairs == 0 and policy.under_load.applied_slope is None
+        assert max(policy.last.ks) < planned_k(truth.profile, 8, 0.8)  # one ratio: never the true k
+
+
+def test_width_pairs_are_consecutive_rounds_of_the_same_rows_at_two_widths():
+    """beta solves a pair exactly whatever the base's drift; a pair needs the same rows count and
+    another width, and a skipped round (a row alone, a prefill) pairs with nothing; a profile
+    without a batch table reads no width."""
+    truth = lambda b, t: 0.3 + 0.02 * b + 0.01 * b * (t - 1)  # noqa: E731
+    cost = RoundCostModel(shaped_profile(lambda b, t: 0.3 + 0.02 * b + 0.03 * b * (t - 1), 0.03, 0.005))
+    base, w = 0.3 + 0.16, lambda t: 0.03 * 8 * (t - 1)  # noqa: E731
+    assert width_price(base, w(2), 2 * truth(8, 2), w(3), 2 * truth(8, 3)) == pytest.approx(1 / 3)  # a host 2x slower
+    assert width_price(base, w(2), 1.0, w(3), 0.9) == 0.25 and width_price(base, w(2), 1.0, w(3), 9.0) == 4.0
+    assert width_price(base, w(2), 1.0, w(2), 1.2) is None
+    load = UnderLoad(every=2, min_rounds=100, min_pairs=2)
+    load.observe(cost, [1] * 8, 0, 0, 0.0, truth(8, 2))
+    load.observe(cost, [1] * 4, 0, 0, 0.0, truth(4, 2))  # other rows: no pair
+    load.skip()
+    load.observe(cost, [2] * 4, 0, 0, 0.0, truth(4, 3))  # after a skip: no pair
+    assert load.pairs == 0 and load.draft_pairs == 0 and load.model is None
+    for k in (1, 2, 1):
+        load.observe(cost, [k] * 4, 0, 0, 0.0, truth(4, k + 1))
+    assert load.pairs == 3 and load.beta == pytest.approx(1 / 3) and load.applied_beta == pytest.approx(1 / 3)
+    assert load.model.verify_width_s(4, 3) == pytest.approx(truth(4, 3))
+    assert load.model.verify_width_s(8, 5) == pytest.approx(truth(8, 5))
+    assert load.model.draft_s(2, 8) == pytest.approx(cost.draft_s(2, 8))  # no drafter rounds: its price
+    flat = UnderLoad(every=1, min_rounds=100, min_pairs=1)
+    for k in (1, 2, 1):
+        flat.observe(RoundCostModel(flat_profile(0.1, 0.01)), [k] * 4, 0, 0, 0.0, 0.1 + 0.001 * k)
+    assert flat.pairs == 0 and flat.model is None
 
 
 def test_cost_check_ignores_scale_and_fixes_shape():
