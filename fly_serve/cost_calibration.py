@@ -61,7 +61,9 @@ log = logging.getLogger("fly_serve.cost_calibration")
 # points instead of 3 calls of each in a row (a drift over the minute read as a shape's cost).
 # 6: an fp32 model's linear layers may run on oneDNN, packed (onednn_linear.py; about 2x faster on
 # an AMD CPU); machine() also keys the kernels chosen at load (or forced by FLY_SERVE_LINEAR).
-FORMAT = 6
+# 7: short forwards on a CPU fold their query heads (runner.fold_queries): a batch's one-token
+# forward costs ~1.7x less than profiles before priced it, its wider ones 3-10% less.
+FORMAT = 7
 DRAFT_K = 8  # drafts per row of the drafter's long call (the short one drafts 1)
 CONTEXT_TOKENS = 16  # context of each timing row: a verify feeds its last token and drafts only
 KEY_PREFIX = "calibrate-"

@@ -63,6 +63,26 @@ def lookups_pay(kept: list[float | None], share: float) -> bool:
     return all_hold >= share * sum(1 - q for q in kept if q is not None)
 
 
+def stopping(confidence: list[float], floor: list[float]) -> set[int]:
+    """The rows of a batched drafter forward that stop drafting after it: those with a floor
+    (a greedy row's min_confidence; 0: it drafts its k) stop together, when their confidences in
+    the token just drafted add up to less than their floors.
+
+    Together, because the rows share what a draft costs: the drafter's forward runs while any row
+    drafts, and the target verifies every row padded to the widest. A row that stops alone saves
+    neither and gives up drafts that the others' width verifies for free (8 rows at k auto on the
+    2-core CPU, one process: a stop by row took 5-8% more rounds for the same tokens and ran
+    2-3% slower, three passes taking turns, docs/BENCHMARKS.md). The
+    floors are priced per row (SpeculationPolicy.min_confidence: the round's rate times a row's
+    share of one more draft), so the batch's next forward pays when the chances sum to the floors.
+    A row alone is the rule it always was: it stops once its own confidence falls below its floor.
+    """
+    judged = [b for b, f in enumerate(floor) if f > 0]
+    if sum(confidence[b] for b in judged) < sum(floor[b] for b in judged):
+        return set(judged)
+    return set()
+
+
 class PromptLookup:
     """Prompt lookup as a DraftSource."""
 
@@ -261,11 +281,10 @@ class ModelDrafter:
         none = torch.zeros(len(rows), dtype=torch.long)
         accept_len, _ = decide(ok, None, n, theta=torch.ones(len(rows)), check=none)
         unsure = set()
-        floor = [max(self.min_confidence, r.min_confidence) for r in rows]
+        floor = [0.0 if r.sampled else max(self.min_confidence, r.min_confidence) for r in rows]
         if any(floor):
             last = logits[torch.arange(len(rows)), accept_len.to(logits.device)]
-            conf = torch.softmax(last.float(), -1).max(-1).values.cpu()
-            unsure = {b for b, r in enumerate(rows) if not r.sampled and conf[b] < floor[b]}
+            unsure = stopping(torch.softmax(last.float(), -1).max(-1).values.tolist(), floor)
         for b, (r, a) in enumerate(zip(rows, accept_len.tolist())):
             if proposals[b]:
                 tally = self.proposals_kept.setdefault(r.key, [1, 2])

@@ -41,7 +41,9 @@ def attention_mask(starts: torch.Tensor, T: int, n_keys: int, pos: torch.Tensor)
     forces with grouped KV heads: a decode step (T = 1) sees every key, a prefill from position 0
     is top-left causal (is_causal), anything else is bottom-right causal (a CausalBias, which
     dispatches to flash / memory-efficient itself). Rows of different starts need the mask
-    [B, 1, T, n_keys]. starts [B] on the CPU (no device sync); pos [B, T] on the device."""
+    [B, 1, T, n_keys]. starts [B] on the CPU (no device sync); pos [B, T] on the device.
+    On a CPU a forward of up to FOLD_TOKENS a row folds its query heads instead and takes
+    folded_mask (Runner.layers_forward): there SDPA's kernels for grouped heads cost more."""
     if bool((starts == starts[0]).all()):
         if T == 1:
             return None, False
@@ -50,6 +52,35 @@ def attention_mask(starts: torch.Tensor, T: int, n_keys: int, pos: torch.Tensor)
         return causal_lower_right(T, n_keys), False
     keys = torch.arange(n_keys, device=pos.device)
     return (keys[None, None, :] <= pos[:, :, None])[:, None], False  # [B, 1, T, n_keys]
+
+
+# Folded attention on a CPU (fold_queries) for forwards of up to this many tokens a row: decode
+# steps, verifications and drafting. Measured on the 2-core CPU in bf16, whole target forwards
+# (docs/BENCHMARKS.md, "Folded attention"): 8 rows of 250-350 keys, 1 token a row 145 ms folded
+# against 247 ms with SDPA's grouped heads, 2-5 tokens a row 3-10% less; at 900-1000 keys 230
+# against 560 ms; one row of 300 keys 141 against 174 ms. Attention alone is even at 64 tokens a
+# row, so a longer prefill keeps SDPA's causal kernels.
+FOLD_TOKENS = 16
+
+
+def fold_queries(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """q [B, H, T, D] -> [B, kv_heads, G x T, D], G = H / kv_heads: the G query heads that read
+    one KV head become G x T queries of that head (query j x T + t is head j's token t). Attention
+    is then one plain product per KV head; SDPA with enable_gqa on a CPU instead copies every key
+    and value G times (math kernel, with a mask) or runs a kernel made for long queries, which for
+    a decode step's attention costs 10x (FOLD_TOKENS)."""
+    B, H, T, D = q.shape
+    return q.reshape(B, kv_heads, H // kv_heads * T, D)
+
+
+def folded_mask(pos: torch.Tensor, n_keys: int, groups: int, plain_decode: bool) -> torch.Tensor | None:
+    """The mask of folded queries [B, 1, groups x T, n_keys]: key j visible to the query at
+    position p iff j <= p, repeated for each head of a group. None where every key is visible (a
+    decode step of rows that all end at the last key)."""
+    if plain_decode:
+        return None
+    keys = torch.arange(n_keys, device=pos.device)
+    return (keys[None, None, :] <= pos[:, :, None])[:, None].repeat(1, 1, groups, 1)
 
 
 class SliceIO:
@@ -117,6 +148,9 @@ class Runner:
         self.layers = model.model.layers
         self.dtype = model.model.embed_tokens.weight.dtype
         self.device = model.model.embed_tokens.weight.device
+        # Grouped KV heads on a CPU: short forwards fold their query heads (fold_queries). A GPU
+        # keeps SDPA's fused kernels, which read grouped heads without copies.
+        self.fold = self.device.type == "cpu" and self.n_heads != self.kv_heads and self.n_heads % self.kv_heads == 0
         initial = None
         if budget_bytes is None and budget_tokens is None:
             budget_tokens = n_slots * DEFAULT_SEQ_TOKENS
@@ -159,6 +193,9 @@ class Runner:
         host sync: graphs.py captures it as it is."""
         B, T = input_ids.shape
         cache = self.cache
+        fold = self.fold and T <= FOLD_TOKENS
+        if fold:
+            mask = folded_mask(pos, io.n_keys, self.n_heads // self.kv_heads, mask is None and T == 1)
         x = self.model.model.embed_tokens(input_ids)
         cos, sin = self.model.model.rotary_emb(x, pos)
         for i, layer in enumerate(self.layers):
@@ -171,15 +208,21 @@ class Runner:
             io.write(cache.k[i], k.transpose(1, 2).reshape(B * T, self.kv_heads, self.head_dim).to(cache.dtype))
             io.write(cache.v[i], v.reshape(B * T, self.kv_heads, self.head_dim).to(cache.dtype))
             keys, values = io.read(cache.k[i]), io.read(cache.v[i])  # [B, n_keys, kv_heads, head_dim]
-            o = F.scaled_dot_product_attention(
-                q,
-                keys.transpose(1, 2).to(q.dtype),
-                values.transpose(1, 2).to(q.dtype),
-                attn_mask=mask,
-                is_causal=is_causal,
-                scale=attn.scaling,
-                enable_gqa=self.n_heads != self.kv_heads,
-            )
+            keys, values = keys.transpose(1, 2).to(q.dtype), values.transpose(1, 2).to(q.dtype)
+            if fold:
+                q = fold_queries(q, self.kv_heads)  # [B, kv_heads, G x T, head_dim]
+                o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=attn.scaling)
+                o = o.view(B, self.n_heads, T, self.head_dim)
+            else:
+                o = F.scaled_dot_product_attention(
+                    q,
+                    keys,
+                    values,
+                    attn_mask=mask,
+                    is_causal=is_causal,
+                    scale=attn.scaling,
+                    enable_gqa=self.n_heads != self.kv_heads,
+                )
             o = attn.o_proj(o.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
             x = x + self._all_reduce(o)
             x = x + self._all_reduce(layer.mlp(layer.post_attention_layernorm(x)))

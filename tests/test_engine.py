@@ -7,7 +7,8 @@ import torch
 
 from fly_serve import prompt_lookup
 from fly_serve.build import build_engine
-from fly_serve.drafters import lookups_pay
+from fly_serve.contracts import Row
+from fly_serve.drafters import ModelDrafter, lookups_pay, stopping
 from fly_serve.engine import Engine
 from fly_serve.params import ParamError, Params
 from fly_serve.round_cost import CostProfile
@@ -40,6 +41,26 @@ def test_runner_matches_transformers_and_rolls_back():
     logits, fed = runner.feed(["a"], [seq])
     assert fed == [len(seq) - 10]
     assert torch.allclose(logits[0], full[10:], atol=1e-5)
+
+
+def test_folded_attention_equals_grouped_heads():
+    """On a CPU a short forward folds its query heads onto their KV head (runner.fold_queries):
+    the same logits as SDPA's grouped heads, for rows of different lengths, equal lengths, one
+    token a row and several (the tiny target has 4 query heads on 2 KV heads)."""
+    folded, grouped = Runner(TARGET, n_slots=4), Runner(TARGET, n_slots=4)
+    grouped.fold = False
+    assert folded.fold == (DEVICE == "cpu")
+    keys = ["a", "b", "c"]
+    steps = [  # (rows' tokens, tail): prefill of 3 lengths, decode, a verification, equal lengths
+        ([PROMPTS[1], PROMPTS[2], PROMPTS[3]], None),
+        ([PROMPTS[1] + [5], PROMPTS[2] + [6], PROMPTS[3] + [7]], [1, 1, 1]),
+        ([PROMPTS[1] + [5, 8, 9, 10], PROMPTS[2] + [6, 1], PROMPTS[3] + [7, 2, 3]], [4, 2, 3]),
+        ([PROMPTS[3][:12], PROMPTS[3][:12] + [4]], [1, 1]),
+    ]
+    for tokens, tail in steps:
+        got, _ = folded.feed(keys[: len(tokens)], tokens, tail=tail)
+        want, _ = grouped.feed(keys[: len(tokens)], tokens, tail=tail)
+        assert torch.allclose(got, want, atol=1e-5)
 
 
 @pytest.mark.parametrize(
@@ -166,6 +187,27 @@ def test_unsure_drafter_stops_early_and_stays_exact():
     reqs = eng.generate(PROMPTS, dict(mode="spd", k=5, mla=False, max_tokens=30))
     assert [r.generated for r in reqs] == AR
     assert all(0 < r.stats.drafted <= r.stats.rounds for r in reqs)  # at most one draft a round, not k
+
+
+def test_rows_of_a_batch_stop_drafting_together():
+    # the rule: rows with a floor stop together, when their confidences sum below their floors
+    assert stopping([0.9, 0.2], [0.5, 0.5]) == set()  # the batch's chances pay for its next forward
+    assert stopping([0.6, 0.2], [0.5, 0.5]) == {0, 1}  # they do not: the sure row stops too
+    assert stopping([0.3], [0.5]) == {0} and stopping([0.6], [0.5]) == set()  # alone: its own floor
+    assert stopping([0.1, 0.9], [0.0, 0.5]) == set()  # no floor (a fixed k): never judged
+    assert stopping([0.9, 0.1], [0.0, 0.5]) == {1}
+    # through the drafter: a row whose floor no token reaches stops after one draft, the batch with it
+    drafter = ModelDrafter(DRAFTER, n_slots=4)
+
+    def drafted(*floors):
+        rows = [Row(f"r{i}", PROMPTS[i], k=4, mla=False, min_confidence=f) for i, f in enumerate(floors)]
+        out = [len(d) for d in drafter.propose(rows).tokens]
+        drafter.release([r.key for r in rows])
+        return out
+
+    assert drafted(1.0, 1.0) == [1, 1]
+    assert drafted(1.0, 0.0) == [1, 4]  # the row without a floor drafts its k
+    assert drafted(1e-9, 1e-9) == [4, 4]  # any token's confidence beats 1e-9
 
 
 @pytest.mark.parametrize("prompt", [[5, 300], [-1, 4], [1, True], "a \ud800 b"])
