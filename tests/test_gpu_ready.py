@@ -122,8 +122,8 @@ def _rank(rank, world, port, path, out):
     group = init_group(rank, world, port=port, device="cpu")  # gloo, from the device
     model = load_shard(path, torch.float32, rank, world)
     got = _logits(Runner(model, n_slots=2, tp_group=group))
-    if rank == 0:
-        out.put(got)
+    if rank == 0:  # by value: a shared tensor's fd would die with this process, maybe before the parent reads it
+        out.put(got.numpy())
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
@@ -149,7 +149,7 @@ def test_llama31_rope_scaling_survives_the_sharded_loader(tmp_path):
     procs = [ctx.Process(target=_rank, args=(r, 2, port, str(tmp_path), out)) for r in range(2)]
     for p in procs:
         p.start()
-    got = out.get(timeout=180)
+    got = torch.from_numpy(out.get(timeout=180))
     for p in procs:
         p.join(timeout=60)
         assert p.exitcode == 0

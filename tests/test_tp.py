@@ -27,8 +27,8 @@ def _worker(rank, world, port, out):
     group = init_group(rank, world, port=port, backend="gloo")
     model = shard(tiny_model(seed=3), rank, world)
     got = logits_of(runner(model, tp_group=group))
-    if rank == 0:
-        out.put(got)
+    if rank == 0:  # by value: a shared tensor's fd would die with this process, maybe before the parent reads it
+        out.put([t.numpy() for t in got])
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
@@ -40,7 +40,7 @@ def test_tp2_equals_tp1():
     procs = [ctx.Process(target=_worker, args=(r, 2, PORT, out)) for r in range(2)]
     for p in procs:
         p.start()
-    first, rest, shared = out.get(timeout=120)
+    first, rest, shared = (torch.from_numpy(a) for a in out.get(timeout=120))
     for p in procs:
         p.join(timeout=60)
         assert p.exitcode == 0
