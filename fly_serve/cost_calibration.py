@@ -62,7 +62,7 @@ log = logging.getLogger("fly_serve.cost_calibration")
 # 6: an fp32 model's linear layers may run on oneDNN, packed (onednn_linear.py; about 2x faster on
 # an AMD CPU); machine() also keys the kernels chosen at load (or forced by FLY_SERVE_LINEAR).
 # 7: short forwards on a CPU fold their query heads (runner.fold_queries): a batch's one-token
-# forward costs ~1.6x less than profiles before priced it, its wider ones 3-19% less.
+# forward costs ~1.6x less than profiles before priced it, its wider ones 3-18% less.
 FORMAT = 7
 DRAFT_K = 8  # drafts per row of the drafter's long call (the short one drafts 1)
 CONTEXT_TOKENS = 16  # context of each timing row: a verify feeds its last token and drafts only

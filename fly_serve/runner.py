@@ -58,7 +58,7 @@ def attention_mask(starts: torch.Tensor, T: int, n_keys: int, pos: torch.Tensor)
 # steps, verifications and drafting. Measured on the 2-core CPU in bf16, whole target forwards,
 # two runs (docs/BENCHMARKS.md, "Folded attention"): 8 rows of 250-350 keys, 1 token a row 145-156
 # ms folded against 247-249 ms with SDPA's grouped heads, 2-5 tokens a row 3-10% less; 8 rows of
-# 900-1000 keys 1.1-1.2x faster at 2-5 tokens and 2.4-2.6x at 1; one row about even (0.97-1.24x).
+# 900-1000 keys 1.1-1.2x faster at 2-5 tokens and 2.4-2.6x at 1; one row about even (0.99-1.24x).
 # Attention alone is even at 64 tokens a row, so a longer prefill keeps SDPA's causal kernels.
 FOLD_TOKENS = 16
 
@@ -149,7 +149,7 @@ class Runner:
         self.dtype = model.model.embed_tokens.weight.dtype
         self.device = model.model.embed_tokens.weight.device
         # Grouped KV heads on a CPU: short forwards fold their query heads (fold_queries). A GPU
-        # keeps SDPA's fused kernels, which read grouped heads without copies.
+        # keeps SDPA's kernels: folding has not been timed there (docs/GPU.md).
         self.fold = self.device.type == "cpu" and self.n_heads != self.kv_heads and self.n_heads % self.kv_heads == 0
         initial = None
         if budget_bytes is None and budget_tokens is None:

@@ -51,11 +51,14 @@ def test_folded_attention_equals_grouped_heads():
     grouped.fold = False
     assert folded.fold == (DEVICE == "cpu")
     keys = ["a", "b", "c"]
-    steps = [  # (rows' tokens, tail): prefill of 3 lengths, decode, a verification, equal lengths
-        ([PROMPTS[1], PROMPTS[2], PROMPTS[3]], None),
-        ([PROMPTS[1] + [5], PROMPTS[2] + [6], PROMPTS[3] + [7]], [1, 1, 1]),
-        ([PROMPTS[1] + [5, 8, 9, 10], PROMPTS[2] + [6, 1], PROMPTS[3] + [7, 2, 3]], [4, 2, 3]),
-        ([PROMPTS[3][:12], PROMPTS[3][:12] + [4]], [1, 1]),
+    same = PROMPTS[3][:12]
+    steps = [  # (rows' tokens, tail)
+        ([PROMPTS[1], PROMPTS[2], PROMPTS[3]], None),  # prefill of 3 lengths
+        ([PROMPTS[1] + [5], PROMPTS[2] + [6], PROMPTS[3] + [7]], [1, 1, 1]),  # decode, rows of 3 lengths
+        ([PROMPTS[1] + [5, 8, 9, 10], PROMPTS[2] + [6, 1], PROMPTS[3] + [7, 2, 3]], [4, 2, 3]),  # verification
+        ([same, same + [4]], [1, 1]),  # prefill from position 0 (causal), padded
+        ([same + [4], same + [4]], [1, 1]),  # rows of equal length: their prefixes, then...
+        ([same + [4, 9], same + [4, 2]], [1, 1]),  # ... a decode step that sees every key (no mask)
     ]
     for tokens, tail in steps:
         got, _ = folded.feed(keys[: len(tokens)], tokens, tail=tail)
