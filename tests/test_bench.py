@@ -440,3 +440,23 @@ def test_alternating_passes_report_the_median_speed_of_each_cell():
     lines = pass_ratios(passes)
     assert len(lines) == 2 and "ar/code 0.75x" in lines[0] and "ar/rewrite 0.67x" in lines[1]
     assert "fly_k15/code 0.75x" in lines[0]
+
+
+def test_pairs_take_turns_and_report_each_ratio_and_the_median():
+    from fly_bench.oneoff.served_vs_engine import pairs_summary, taking_turns
+
+    calls, speeds = [], iter([4.0, 3.0, 2.0, 2.5, 6.0, 6.6])
+
+    def timed(place):
+        def run():
+            calls.append(place)
+            return {"tok_s": next(speeds)}
+
+        return run
+
+    pairs = taking_turns(timed("a"), timed("b"), 3)
+    assert calls == ["a", "b", "b", "a", "a", "b"]  # every other pair in the reverse order
+    assert [p["b_over_a"] for p in pairs] == [0.75, 0.8, 1.1]  # b over a within each pair, not across
+    lines = pairs_summary("t", "one process", "served", {"ar/code": pairs})
+    assert "| ar/code | 2 | 2.5 | 2.0 | 0.800 |" in lines
+    assert lines[-1] == "| ar/code | median | | | **0.800** |"

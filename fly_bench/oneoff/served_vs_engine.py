@@ -17,6 +17,15 @@ results.json and summary.md; speed is compared only as ratios within the run.
 in the reverse order), and the table gives each cell's median over the passes, with the ratios to
 one process pass by pass: this VM's speed drifts by 20-30% within minutes, which a single pass
 reads as a difference of places.
+
+`--paired N` puts the two places a request apart instead of a pass apart: the first profile is
+served, the engine is loaded in this process, and each cell runs N times in each, one request
+after the other (every other pair in the reverse order); each pair gives a ratio over a minute
+or less, where the drift moved little. Caveat: while the engine decodes, the idle service's Ray
+processes are up too (their wake-ups: about 6% of a core here), as they are for every served
+request. `--daemons N` measures that share alone: the engine in this process, N times with no
+Ray running and N times beside an idle `--tiny` service (the same controller, proxy, raylet, GCS
+and replica processes, with tiny models), taking turns.
 """
 
 import argparse
@@ -66,27 +75,37 @@ def row(tokens: int, wall_s: float, fly: dict) -> dict:
 
 
 # ---- in process
-def in_process(config: str, max_tokens: int, tiny: bool, cells: list[str]) -> dict:
+def engine_for(config: str, tiny: bool):
+    """build_engine() with the profile's knobs, as the service builds it."""
     from fly_serve.build import build_engine
     from fly_serve.params import Params
-    from fly_serve.prompts import chat_prompt
 
     a = profile_args(config)
-    engine = build_engine(
+    return build_engine(
         *(("tiny:0", "tiny:1") if tiny else ()),
         dtype=a.get("dtype", "auto"),
         drafter_precision=a.get("drafter_precision", "int8"),
         max_batch=a.get("max_batch", 8),
         defaults=Params.from_dict(a.get("defaults", {})),
     )
+
+
+def engine_cell(engine, cell: str, max_tokens: int) -> dict:
+    from fly_serve.prompts import chat_prompt
+
+    method, prompt = cell.split("/")
+    knobs, ids = METHODS[method], chat_prompt(engine.tokenizer, PROMPTS[prompt])
+    t = time.perf_counter()
+    [req] = engine.generate([ids], {**knobs, "max_tokens": max_tokens})
+    return row(len(req.generated), time.perf_counter() - t, req.stats.as_dict())
+
+
+def in_process(config: str, max_tokens: int, tiny: bool, cells: list[str]) -> dict:
+    engine = engine_for(config, tiny)
     out = {}
     for cell in cells:
-        method, prompt = cell.split("/")
-        knobs, ids = METHODS[method], chat_prompt(engine.tokenizer, PROMPTS[prompt])
-        engine.generate([ids], {**knobs, "max_tokens": 8})  # warm-up
-        t = time.perf_counter()
-        [req] = engine.generate([ids], {**knobs, "max_tokens": max_tokens})
-        out[cell] = row(len(req.generated), time.perf_counter() - t, req.stats.as_dict())
+        engine_cell(engine, cell, 8)  # warm-up
+        out[cell] = engine_cell(engine, cell, max_tokens)
     return out
 
 
@@ -139,17 +158,20 @@ def in_process_child(config: str, max_tokens: int, tiny: bool, cells: list[str])
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def served_cell(url: str, cell: str, max_tokens: int) -> dict:
+    method, prompt = cell.split("/")
+    _, tokens, fly, wall = chat(url, PROMPTS[prompt], METHODS[method], max_tokens)
+    return row(tokens, wall, fly)
+
+
 def through_serve(
     config: str, max_tokens: int, port: int, tiny: bool, cells: list[str], same_text: bool = True
 ) -> dict:
     with serving(config, port, tiny) as url:
         out = {}
         for cell in cells:
-            method, prompt = cell.split("/")
-            knobs, text = METHODS[method], PROMPTS[prompt]
-            chat(url, text, knobs, 8)  # warm-up
-            _, tokens, fly, wall = chat(url, text, knobs, max_tokens)
-            out[cell] = row(tokens, wall, fly)
+            served_cell(url, cell, 8)  # warm-up
+            out[cell] = served_cell(url, cell, max_tokens)
         out["stats"] = requests.get(f"{url}/v1/fly/stats", timeout=60).json()
         if not same_text:
             return out
@@ -194,15 +216,71 @@ def pass_ratios(passes: list[dict]) -> list[str]:
     return lines
 
 
+# ---- places a request apart
+def taking_turns(first, second, n: int) -> list[dict]:
+    """n pairs of (first(), second()), every other pair in the reverse order, each with its ratio."""
+    pairs = []
+    for i in range(n):
+        if i % 2 == 0:
+            a = first()
+            b = second()
+        else:
+            b = second()
+            a = first()
+        pairs.append({"a": a, "b": b, "b_over_a": round(b["tok_s"] / a["tok_s"], 3)})
+    return pairs
+
+
+def paired(config: str, max_tokens: int, port: int, tiny: bool, cells: list[str], n: int) -> dict:
+    """Each cell n times in one process and n times served, one request after the other."""
+    engine = engine_for(config, tiny)
+    with serving(config, port, tiny) as url:
+        out = {}
+        for cell in cells:
+            engine_cell(engine, cell, 8)  # warm-ups
+            served_cell(url, cell, 8)
+            out[cell] = taking_turns(
+                lambda c=cell: engine_cell(engine, c, max_tokens), lambda c=cell: served_cell(url, c, max_tokens), n
+            )
+        return out
+
+
+def beside_ray(config: str, max_tokens: int, port: int, tiny: bool, cells: list[str], n: int) -> dict:
+    """Each cell in one process, n times with no Ray running and n times beside an idle --tiny
+    service: what Ray's and Serve's idle processes take from a forward."""
+    engine = engine_for(config, tiny)
+
+    def beside(cell: str) -> dict:
+        with serving(config, port, tiny=True):
+            time.sleep(10)  # the replica's start-up work done: only the idle wake-ups left
+            return engine_cell(engine, cell, max_tokens)
+
+    out = {}
+    for cell in cells:
+        engine_cell(engine, cell, 8)  # warm-up
+        out[cell] = taking_turns(lambda c=cell: engine_cell(engine, c, max_tokens), lambda c=cell: beside(c), n)
+    return out
+
+
+def pairs_summary(title: str, a: str, b: str, pairs_by_cell: dict) -> list[str]:
+    lines = ["", title, "", f"| cell | pair | {a} tok/s | {b} tok/s | {b} / {a} |", "|---|---|---|---|---|"]
+    for cell, pairs in pairs_by_cell.items():
+        for i, p in enumerate(pairs):
+            lines.append(f"| {cell} | {i + 1} | {p['a']['tok_s']} | {p['b']['tok_s']} | {p['b_over_a']:.3f} |")
+        ratios = [p["b_over_a"] for p in pairs]
+        lines.append(f"| {cell} | median | | | **{statistics.median(ratios):.3f}** |")
+    return lines
+
+
 # ---- report
 def summary(result: dict) -> str:
     cells = result["cells"]
-    lines = [
-        f"CPU: {result['cpu']}; bf16 instructions: {result['bf16']}; max_tokens {result['max_tokens']}",
-        "",
-        "| where | " + " | ".join(f"{c} tok/s" for c in cells) + " | draft / verify ms a round, each cell |",
-        "|---|" + "---|" * (len(cells) + 1),
-    ]
+    lines = [f"CPU: {result['cpu']}; bf16 instructions: {result['bf16']}; max_tokens {result['max_tokens']}", ""]
+    if result["runs"]:
+        lines += [
+            "| where | " + " | ".join(f"{c} tok/s" for c in cells) + " | draft / verify ms a round, each cell |",
+            "|---|" + "---|" * (len(cells) + 1),
+        ]
     for where, res in result["runs"].items():
         speeds = " | ".join(str(res[c]["tok_s"]) for c in cells)
         ms = ", ".join(f"{res[c]['draft_ms_per_round']} / {res[c]['verify_ms_per_round']}" for c in cells)
@@ -213,6 +291,16 @@ def summary(result: dict) -> str:
         if "same_text" in res:
             s = res["same_text"]
             lines.append(f"- {where}: the same greedy request {s['requests']} times: {s['distinct_texts']} text(s)")
+    if "paired" in result:
+        title = "Served against one process, a request apart:"
+        lines += pairs_summary(title, "one process", "served", result["paired"])
+    if "beside_ray" in result:
+        lines += pairs_summary(
+            "One process with no Ray running against beside an idle --tiny service:",
+            "no Ray",
+            "beside Ray",
+            result["beside_ray"],
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -239,6 +327,8 @@ def main() -> None:
         "--alternate", type=int, default=1, choices=range(1, 11), metavar="N", help="passes over every place (medians)"
     )
     p.add_argument("--cells", nargs="+", default=CELLS, choices=CELLS, metavar="METHOD/PROMPT", help=" ".join(CELLS))
+    p.add_argument("--paired", type=int, default=0, metavar="N", help="N pairs a cell, one process and served")
+    p.add_argument("--daemons", type=int, default=0, metavar="N", help="N pairs a cell, no Ray and beside Ray")
     p.add_argument("--in-process-only", help=argparse.SUPPRESS)  # the child process's own phase
     args = p.parse_args()
     if args.in_process_only:
@@ -248,6 +338,18 @@ def main() -> None:
     result = {"cpu": name, "bf16": bf16, "max_tokens": args.max_tokens, "cells": args.cells, "runs": {}, "passes": []}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.paired or args.daemons:
+        if args.paired:
+            result["paired"] = paired(args.configs[0], args.max_tokens, args.port, args.tiny, args.cells, args.paired)
+            (out / "results.json").write_text(json.dumps(result, indent=1))
+        if args.daemons:
+            result["beside_ray"] = beside_ray(
+                args.configs[0], args.max_tokens, args.port, args.tiny, args.cells, args.daemons
+            )
+        (out / "results.json").write_text(json.dumps(result, indent=1))
+        (out / "summary.md").write_text(summary(result))
+        print(summary(result))
+        return
     places = ([] if args.skip_in_process else [None]) + args.configs  # None: one process
     for i in range(args.alternate):
         runs = {}
