@@ -34,7 +34,8 @@ def predicted_ms(engine, rows: int) -> dict[int, float]:
 
 
 def traced(engine) -> list[tuple[int, tuple[int, ...]]]:
-    """Every k auto round from now on, as (rows, the ks the policy gave), appended to the list."""
+    """Every round the policy plans from now on, as (rows, the ks it gave), appended to the list.
+    `ar` rows are planned too (at k 0, their k is "auto" with no drafter): main keeps k auto's."""
     trace, choose = [], engine.policy.choose
 
     def choose_traced(infos):
