@@ -15,11 +15,11 @@ import argparse
 import collections
 import json
 import statistics
-import time
 from pathlib import Path
 
 from fly_bench.oneoff.served_vs_engine import engine_for
 from fly_bench.prompts import SWEEP_CHATS
+from fly_bench.timing import timed
 from fly_serve.allocator import RowInfo
 from fly_serve.prompts import chat_prompt
 
@@ -48,15 +48,11 @@ def traced(engine) -> list[tuple[int, tuple[int, ...]]]:
 
 
 def run(engine, prompts: list, knobs: dict, max_tokens: int) -> dict:
-    t = time.perf_counter()
-    reqs = engine.generate(prompts, {**knobs, "max_tokens": max_tokens})
-    wall = time.perf_counter() - t
-    stats = [r.stats.as_dict() for r in reqs]
-    row_rounds = sum(s["rounds"] for s in stats)
+    reqs = timed(engine, prompts, {**knobs, "max_tokens": max_tokens})
     return {
-        "tok_s": round(sum(len(r.generated) for r in reqs) / wall, 2),
-        "rounds": max(s["rounds"] for s in stats),
-        "drafts_per_row_round": round(sum(s["drafted"] for s in stats) / max(row_rounds, 1), 2),
+        "tok_s": round(sum(r.tokens for r in reqs) / sum(r.wall_s for r in reqs), 2),
+        "rounds": max(r.rounds for r in reqs),
+        "drafts_per_row_round": round(sum(r.drafted for r in reqs) / max(sum(r.rounds for r in reqs), 1), 2),
     }
 
 

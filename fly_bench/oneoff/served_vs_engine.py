@@ -91,13 +91,13 @@ def engine_for(config: str, tiny: bool):
 
 
 def engine_cell(engine, cell: str, max_tokens: int) -> dict:
+    from fly_bench.timing import timed_one
     from fly_serve.prompts import chat_prompt
 
     method, prompt = cell.split("/")
-    knobs, ids = METHODS[method], chat_prompt(engine.tokenizer, PROMPTS[prompt])
-    t = time.perf_counter()
-    [req] = engine.generate([ids], {**knobs, "max_tokens": max_tokens})
-    return row(len(req.generated), time.perf_counter() - t, req.stats.as_dict())
+    t = timed_one(engine, chat_prompt(engine.tokenizer, PROMPTS[prompt]), **METHODS[method], max_tokens=max_tokens)
+    counts = {"rounds": t.rounds, "drafted": t.drafted, "draft_s": t.draft_s, "verify_s": t.verify_s}
+    return row(t.tokens, t.wall_s, counts)
 
 
 def in_process(config: str, max_tokens: int, tiny: bool, cells: list[str]) -> dict:
