@@ -31,6 +31,10 @@ pytestmark = pytest.mark.serve
 KV_BUDGET_TOKENS = 4096  # each KV cache, on every rank (3 requests of 600 tokens fit together)
 APP = {"tiny": True, "tp_size": 2, "max_batch": 8, "defaults": {"max_tokens": 8}, "kv_budget_tokens": KV_BUDGET_TOKENS}
 LONG_TOKENS = 200  # an in-flight request: still generating when the fault comes
+# The SIGTERM test's requests run alone on a one-replica tiny app, about 1.5 ms a round: 200 tokens
+# could end before the waiter saw both run together (a CI failure). 600 keep them in flight 3x
+# longer (1,000 never ran: the tiny model's context is 1,024 positions).
+DRAIN_TOKENS = 600
 PROBE_TOKENS = 8
 RECOVERY_TIMEOUT_S = 180.0
 GRACE_S = 60.0  # `fly-serve serve --grace-s`
@@ -63,7 +67,7 @@ def test_sigterm_lets_in_flight_requests_finish():
         allowed = os.geteuid() == 0  # root may lower a nice (CAP_SYS_NICE too; not tested here)
         assert computing and {psutil.Process(pid).nice() for pid in computing} == {-10 if allowed else os.nice(0)}
         assert serve_own and {psutil.Process(pid).nice() for pid in serve_own} == {os.nice(0)}
-        d = sigterm_drain(server, LONG_TOKENS, GRACE_S + SHUTDOWN_S)
+        d = sigterm_drain(server, DRAIN_TOKENS, GRACE_S + SHUTDOWN_S)
     finally:
         server.kill_group()
     report("SIGTERM with 2 in flight (1 streaming)", d.summary())
