@@ -460,3 +460,50 @@ def test_pairs_take_turns_and_report_each_ratio_and_the_median():
     lines = pairs_summary("t", "one process", "served", {"ar/code": pairs})
     assert "| ar/code | 2 | 2.5 | 2.0 | 0.800 |" in lines
     assert lines[-1] == "| ar/code | median | | | **0.800** |"
+
+
+def test_the_in_process_engine_is_built_with_the_profiles_engine_config():
+    """served_vs_engine and batch_k compare the service with an engine built as the service
+    builds it: every engine knob of the profile, its prefix cache included (a request repeated
+    through the service skips its prompt's prefill; one in process must too)."""
+    from deployments.app_args import AppArgs
+    from fly_bench.oneoff.served_vs_engine import engine_config_for, engine_for, profile_args
+
+    for profile in ("cpu-default", "cpu-tp2", "cpu-target-replica", "llama-70b"):
+        path = f"deployments/{profile}.yaml"
+        served = AppArgs(**profile_args(path), tiny=True).engine_config()
+        assert engine_config_for(path, tiny=True) == served, profile
+    config = engine_config_for("deployments/cpu-default.yaml", tiny=True)
+    assert (config.target, config.drafter) == ("tiny:0", "tiny:1")
+    assert config.prefix_cache and config.max_batch == 8 and config.drafter_precision == "int8"
+    assert config.params().auto_k and config.params().mode == "fly"
+    engine = engine_for("deployments/cpu-default.yaml", tiny=True)
+    assert engine.scorer.runner.cache.prefix_cache and engine.drafters["model"].runner.cache.prefix_cache
+    prompt = list(range(5, 60))
+    engine.generate([prompt], {"max_tokens": 4})
+    again = engine.generate([prompt], {"max_tokens": 4})[0]
+    assert again.stats.prefix_hit_tokens > 0  # the second request's prompt came from the cache
+
+
+def test_drafter_int8_down_proj_variants_compute_the_linear_and_decoding_reads_as_whole():
+    """fly_bench.oneoff.drafter_int8: each replacement down_proj computes the layer it replaces
+    (within its quantization), and its two readings of agreement agree where nothing quantizes."""
+    import torch
+
+    from fly_bench.oneoff.drafter_int8 import DOWNS, agreement, argmax_decoding, argmax_whole
+    from fly_serve.tiny import tiny_model
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(256, 64, bias=False)
+    x = torch.randn(3, 5, 256)  # [B, T, in]
+    want = linear(x)
+    for name, cls in DOWNS.items():
+        got = cls(linear)(x)
+        assert got.shape == want.shape and got.dtype == torch.float32, name
+        assert (got - want).abs().max() < 0.05 * want.abs().max(), name
+    model = tiny_model(0).eval()
+    seq = torch.randint(0, model.config.vocab_size, (24,))
+    whole = argmax_whole(model, seq)
+    assert torch.equal(argmax_decoding(model, seq, 10)[9:], whole[9:-1])  # fp32: one reading (no next after the last)
+    assert agreement(model, [(10, seq, whole)], decoding=True) == 1.0
+    assert agreement(model, [(10, seq, (whole + 1) % model.config.vocab_size)], decoding=False) == 0.0

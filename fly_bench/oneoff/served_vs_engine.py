@@ -30,6 +30,7 @@ and replica processes, with tiny models), taking turns.
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import platform
 import signal
@@ -75,19 +76,23 @@ def row(tokens: int, wall_s: float, fly: dict) -> dict:
 
 
 # ---- in process
-def engine_for(config: str, tiny: bool):
-    """build_engine() with the profile's knobs, as the service builds it."""
-    from fly_serve.build import build_engine
-    from fly_serve.params import Params
+def engine_config_for(config: str, tiny: bool):
+    """The EngineConfig the service builds from this profile (deployments/app_args.py names the
+    engine's knobs as EngineConfig does): every engine knob the profile sets, its prefix cache and
+    KV budgets too, not a chosen few."""
+    from fly_serve.config import EngineConfig
 
-    a = profile_args(config)
-    return build_engine(
-        *(("tiny:0", "tiny:1") if tiny else ()),
-        dtype=a.get("dtype", "auto"),
-        drafter_precision=a.get("drafter_precision", "int8"),
-        max_batch=a.get("max_batch", 8),
-        defaults=Params.from_dict(a.get("defaults", {})),
-    )
+    args = profile_args(config)
+    knobs = {f.name: args[f.name] for f in dataclasses.fields(EngineConfig) if f.name in args}
+    return EngineConfig(**{**knobs, **({"target": "tiny:0", "drafter": "tiny:1"} if tiny else {})})
+
+
+def engine_for(config: str, tiny: bool):
+    """build_engine() with the profile's engine config, as the service builds it."""
+    from fly_serve.build import build_engine
+
+    c = engine_config_for(config, tiny)
+    return build_engine(c.target, c.drafter, config=c)
 
 
 def engine_cell(engine, cell: str, max_tokens: int) -> dict:
