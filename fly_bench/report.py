@@ -133,3 +133,13 @@ def _bars(plt, rows: list[Row], metric: str, ylabel: str, path: Path) -> Path | 
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def write_results(out: str | Path, result: dict, summary: str) -> None:
+    """A one-off measurement's files: results.json (every figure) and summary.md (its tables),
+    under `out`; the summary is printed too."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(result, indent=1))
+    (out / "summary.md").write_text(summary)
+    print(summary)

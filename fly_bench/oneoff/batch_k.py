@@ -13,12 +13,11 @@ compared only as ratios within the run.
 
 import argparse
 import collections
-import json
 import statistics
-from pathlib import Path
 
 from fly_bench.oneoff.served_vs_engine import engine_for
 from fly_bench.prompts import SWEEP_CHATS
+from fly_bench.report import write_results
 from fly_bench.timing import timed
 from fly_serve.allocator import RowInfo
 from fly_serve.prompts import chat_prompt
@@ -102,11 +101,7 @@ def main() -> None:
                 by_rows[rows][" ".join(map(str, ks))] += 1
     result["runs"] = runs
     result["k_auto_rounds"] = {str(r): c.most_common(4) for r, c in by_rows.items()}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(result, indent=1))
-    (out / "summary.md").write_text(summary(result))
-    print(summary(result))
+    write_results(args.out, result, summary(result))
 
 
 if __name__ == "__main__":

@@ -15,8 +15,6 @@ split's: draft-ahead must not change a token. Writes results.json and summary.md
 """
 
 import argparse
-import json
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -25,6 +23,7 @@ import torch
 import yaml
 
 from fly_bench.oneoff.served_vs_engine import PROMPTS, chat, cpu, serving
+from fly_bench.report import write_results
 
 METHODS = {"fly_k15": {"mode": "fly", "k": 15, "theta": 0.3, "window": 6}, "spd_k8": {"mode": "spd", "k": 8}}
 
@@ -152,11 +151,7 @@ def main() -> None:
     result["in_process"] = in_process(args)
     if args.serve:
         result["serve"] = through_serve(args.serve, args)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(result, indent=1))
-    (out / "summary.md").write_text(summary(result))
-    sys.stdout.write(summary(result))
+    write_results(args.out, result, summary(result))
 
 
 if __name__ == "__main__":

@@ -29,7 +29,6 @@ import json
 import statistics
 import time
 from dataclasses import replace
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +37,7 @@ from transformers import AutoModelForCausalLM
 
 from fly_bench.oneoff.served_vs_engine import engine_config_for
 from fly_bench.prompts import CODE, SWEEP_CHATS
+from fly_bench.report import write_results
 from fly_bench.timing import timed
 from fly_serve.build import build_engine
 from fly_serve.prompts import chat_prompt
@@ -205,11 +205,7 @@ def main() -> None:
         "e2e_tokens": args.e2e_tokens,
         "variants": variants,
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(result, indent=1))
-    (out / "summary.md").write_text(summary(result))
-    print(summary(result))
+    write_results(args.out, result, summary(result))
 
 
 if __name__ == "__main__":
