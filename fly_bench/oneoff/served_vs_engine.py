@@ -45,6 +45,7 @@ import requests
 import yaml
 
 from fly_bench.prompts import CODE
+from fly_bench.report import write_results
 
 # a rewrite copies most of its prompt: drafting pays most there
 REWRITE = (
@@ -351,9 +352,7 @@ def main() -> None:
             result["beside_ray"] = beside_ray(
                 args.configs[0], args.max_tokens, args.port, args.tiny, args.cells, args.daemons
             )
-        (out / "results.json").write_text(json.dumps(result, indent=1))
-        (out / "summary.md").write_text(summary(result))
-        print(summary(result))
+        write_results(out, result, summary(result))
         return
     places = ([] if args.skip_in_process else [None]) + args.configs  # None: one process
     for i in range(args.alternate):
@@ -369,9 +368,7 @@ def main() -> None:
                 runs[f"Serve, {Path(config).stem}"] = serve
             (out / "results.json").write_text(json.dumps(result, indent=1))
     result["runs"] = median_runs(result["passes"])
-    (out / "results.json").write_text(json.dumps(result, indent=1))
-    (out / "summary.md").write_text(summary(result))
-    print(summary(result))
+    write_results(out, result, summary(result))
 
 
 if __name__ == "__main__":
