@@ -26,7 +26,7 @@ EXTRAS_OF = {
     "deployments": [],
     "fly_cli": ["models"],
     "fly_bench": ["models", "bench"],
-    "fly_load": ["models", "test", "bench"],  # load_sweep plots with matplotlib
+    "loadtest": ["models", "test", "bench"],  # load_sweep plots with matplotlib
     "scripts": [],
     "tests": ["models", "test", "bench"],
 }
@@ -99,9 +99,9 @@ def test_every_import_is_declared_in_pyproject():
     assert not problems, "\n".join(problems)
 
 
-PACKAGES = ("fly_serve", "deployments", "fly_cli", "fly_bench", "fly_load")
+PACKAGES = ("fly_serve", "deployments", "fly_cli", "fly_bench", "loadtest")
 # Locust monkey-patches the whole process through gevent when it is imported: not in a test process.
-NOT_IMPORTED = {"fly_load.locustfile", "fly_load.load_sweep"}
+NOT_IMPORTED = {"loadtest.locustfile", "loadtest.load_sweep"}
 
 
 def module_names() -> list[str]:

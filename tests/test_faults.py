@@ -1,11 +1,11 @@
 """Serving that stays up, end to end (tiny models, real Ray, 127.0.0.1 only): the fault scenarios
-of fly_load (a drafter replica killed mid-generation, a TP rank killed mid-generation, SIGTERM to
+of loadtest (a drafter replica killed mid-generation, a TP rank killed mid-generation, SIGTERM to
 `fly-serve serve` with requests in flight, a schemathesis fuzz of the app's own OpenAPI schema)
 run against a live app and their results are asserted on here; a hung rank (SIGSTOP) on a
 deployment of its own.
 
 Only processes this test process started are killed: pids come from the process tree under it
-(fly_load.procs.replica_pids) and fly_load.procs.kill_ours refuses any other. Every client call
+(loadtest.procs.replica_pids) and loadtest.procs.kill_ours refuses any other. Every client call
 has a timeout; a call that reaches it counts as hung. Each test prints what it sent and how each
 request ended, and the time to recovery."""
 
@@ -19,12 +19,12 @@ import pytest
 import requests
 from serve_fixture import start_serve, stop_serve
 
-from fly_load.client import CLIENT_TIMEOUT_S
-from fly_load.fuzz import fuzz_app
-from fly_load.procs import alive, app_processes, kill_ours, replica_pids
-from fly_load.scenarios import App, drafter_kill, sigterm_drain, tp_rank_kill
-from fly_load.server import ServeProcess
-from fly_load.waits import until
+from loadtest.client import CLIENT_TIMEOUT_S
+from loadtest.fuzz import fuzz_app
+from loadtest.procs import alive, app_processes, kill_ours, replica_pids
+from loadtest.scenarios import App, drafter_kill, sigterm_drain, tp_rank_kill
+from loadtest.server import ServeProcess
+from loadtest.waits import until
 
 pytestmark = pytest.mark.serve
 

@@ -1,4 +1,4 @@
-"""fly_load's mechanics without a live app: the tally, the one wait loop, the kill guard, the fault
+"""loadtest's mechanics without a live app: the tally, the one wait loop, the kill guard, the fault
 run's table, and soak.py's reading of the openai client's transport errors."""
 
 import os
@@ -9,10 +9,10 @@ from dataclasses import asdict
 
 import pytest
 
-from fly_load.client import Outcome, Tally, failures
-from fly_load.fault_run import table
-from fly_load.procs import alive, ancestors, kill_ours, replica_pids
-from fly_load.waits import until
+from loadtest.client import Outcome, Tally, failures
+from loadtest.fault_run import table
+from loadtest.procs import alive, ancestors, kill_ours, replica_pids
+from loadtest.waits import until
 
 
 def test_tally_counts_each_kind_of_ending():
@@ -96,7 +96,7 @@ def test_soak_classifies_the_openai_clients_transport_errors():
     import importlib
     import importlib.util
 
-    from fly_load import soak
+    from loadtest import soak
 
     transports = [importlib.import_module(m) for m in ("httpx", "httpx2") if importlib.util.find_spec(m)]
     assert transports  # openai depends on one of them
@@ -117,7 +117,7 @@ def test_fuzz_draws_fresh_cases_and_records_every_server_error():
     from fastapi.responses import JSONResponse
     from pydantic import BaseModel, ConfigDict
 
-    from fly_load.fuzz import fuzz_app
+    from loadtest.fuzz import fuzz_app
     from fly_serve.tp import free_port
 
     class Body(BaseModel):

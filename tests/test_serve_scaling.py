@@ -1,7 +1,7 @@
 """Scaling out (tiny models, real Ray and Serve, 127.0.0.1): the drafter pool grows under load
 and every live drafter replica drafts its share of each round; two ingress + target units share
 the pool, each ingress pinned to its own target; outputs equal the in-process engine's. Also the
-load sweep's own mechanics (fly_load/load_sweep.py, in a subprocess: Locust patches the process
+load sweep's own mechanics (loadtest/load_sweep.py, in a subprocess: Locust patches the process
 for gevent)."""
 
 import csv
@@ -109,7 +109,7 @@ def test_two_units_each_with_its_own_target(url, reference):
 def sweep(url: str, out: Path, *args: str) -> dict:
     """Run the load sweep against url into out; its summary.json."""
     run = subprocess.run(
-        [sys.executable, "-m", "fly_load.load_sweep", "--host", url, "--out", str(out), *args],
+        [sys.executable, "-m", "loadtest.load_sweep", "--host", url, "--out", str(out), *args],
         cwd=ROOT,
         capture_output=True,
         text=True,

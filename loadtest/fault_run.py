@@ -10,9 +10,9 @@ even on error: the scenarios of scenarios.py and fuzz.py in sequence, their resu
      (a new seed each run, printed): status codes, and every 5xx;
   e. (--soak N) soak.py's long run of N requests: outcomes, RSS at its start and end.
 
-    python -m fly_load.fault_run                       # cpu-tp2 (TP group + drafter replica), real pair
-    python -m fly_load.fault_run --tiny --fuzz-cases 100   # tiny random models: a check in minutes
-    python -m fly_load.fault_run --soak 500 --port 8011
+    python -m loadtest.fault_run                       # cpu-tp2 (TP group + drafter replica), real pair
+    python -m loadtest.fault_run --tiny --fuzz-cases 100   # tiny random models: a check in minutes
+    python -m loadtest.fault_run --soak 500 --port 8011
 
 Prints ONE JSON summary and a markdown table on stdout (progress goes to stderr). Every wait has
 a timeout; a request with no answer within --timeout-s counts as hung. Only processes this run

@@ -2,9 +2,9 @@
 8 and 16 concurrent users for each method, one run per (method, level), one after the other.
 
     fly-serve serve &                                   # the default profile on 127.0.0.1:8000
-    python -m fly_load.load_sweep --out fly_load/results/sweep
-    python -m fly_load.load_sweep --users 1 8 --methods ar fly:k=15 fly:k=auto --duration 30
-    python -m fly_load.load_sweep --users 8 --together 2 --max-tokens 160
+    python -m loadtest.load_sweep --out loadtest/results/sweep
+    python -m loadtest.load_sweep --users 1 8 --methods ar fly:k=15 fly:k=auto --duration 30
+    python -m loadtest.load_sweep --users 8 --together 2 --max-tokens 160
 
 Each user sends one streaming chat completion at a time (code and prose prompts, greedy), so
 the users are the requests in flight. With `--together N` a run is N bursts instead: the users
@@ -328,7 +328,7 @@ def main(argv=None) -> None:
     )
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--check", type=int, default=0, help="greedy outputs to compare with the in-process engine")
-    ap.add_argument("--out", default="fly_load/results/sweep")
+    ap.add_argument("--out", default="loadtest/results/sweep")
     args = ap.parse_args(argv)
     if args.together < 0:
         ap.error(f"--together: a number of bursts, 0 or more (got {args.together})")

@@ -3,7 +3,7 @@ a mix of plain and streaming completions and chats, clients that give up early, 
 resident memory of the app's processes at the start and the end.
 
     fly-serve serve --tiny &                                     # or the default profile
-    python -m fly_load.soak --requests 500 --concurrency 8       # prints one JSON summary
+    python -m loadtest.soak --requests 500 --concurrency 8       # prints one JSON summary
 
 Every request ends in one of: "answered" (200, a whole answer), "rejected" (the 4xx a bad input
 must get), "shed" (503 at capacity, with our error body), "client_left" (a client that gave up
