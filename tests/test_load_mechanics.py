@@ -117,8 +117,8 @@ def test_fuzz_draws_fresh_cases_and_records_every_server_error():
     from fastapi.responses import JSONResponse
     from pydantic import BaseModel, ConfigDict
 
-    from loadtest.fuzz import fuzz_app
     from fly_serve.tp import free_port
+    from loadtest.fuzz import fuzz_app
 
     class Body(BaseModel):
         # strict: a negative case such as {"n": -219, "max_tokens": false} breaks the schema, and
