@@ -2,10 +2,11 @@
 and every live drafter replica drafts its share of each round; two ingress + target units share
 the pool, each ingress pinned to its own target; outputs equal the in-process engine's. Also the
 load sweep's own mechanics (loadtest/load_sweep.py, in a subprocess: Locust patches the process
-for gevent)."""
+for gevent), and the README's `locust -f loadtest/locustfile.py` run headless against the app."""
 
 import csv
 import json
+import os
 import subprocess
 import sys
 import time
@@ -155,3 +156,20 @@ def test_load_sweep_bursts_give_every_method_the_same_prompts_in_turns(url, tmp_
     (ar0, ar1), (k0, k1) = bursts["ar"], bursts["fly:k=3"]
     assert ar0[1] <= k0[0] and k0[1] <= k1[0] and k1[1] <= ar1[0], bursts
     assert "| 3 | fly:k=3 |" in (tmp_path / "summary.md").read_text()
+
+
+def test_the_readmes_locust_command_runs_from_the_repository_root(url, tmp_path):
+    """`locust -f loadtest/locustfile.py --host <url>` as the README shows it, headless and short:
+    every request answered (Locust exits 1 on any failure), none failed."""
+    locust = Path(sys.executable).with_name("locust")  # the console script beside this interpreter
+    argv = [str(locust), "-f", "loadtest/locustfile.py", "--headless", "--host", url, "-u", "2", "-r", "2"]
+    argv += ["--run-time", "5s", "--stop-timeout", "30", "--only-summary", "--csv", str(tmp_path / "run")]
+    env = os.environ | {"FLY_MAX_TOKENS": "8", "FLY_MAX_REQUESTS": "3"}
+    run = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    assert run.returncode == 0, run.stderr[-3000:]
+    with open(tmp_path / "run_stats.csv") as f:
+        stats = {row["Name"]: row for row in csv.DictReader(f)}
+    completions, tokens = stats["/v1/completions [fly]"], stats["completion_tokens [fly]"]
+    assert 1 <= int(completions["Request Count"]) <= 6 and int(completions["Failure Count"]) == 0, completions
+    assert int(stats["Aggregated"]["Failure Count"]) == 0
+    assert tokens["Request Count"] == completions["Request Count"] and float(tokens["Average Content Size"]) >= 1
