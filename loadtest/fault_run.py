@@ -1,21 +1,28 @@
-"""One fault run against a live `fly-serve serve` that this run starts (127.0.0.1 only) and stops,
-even on error: the scenarios of scenarios.py and fuzz.py in sequence, their results printed.
+"""One fault run against live `fly-serve serve` apps that this run starts (127.0.0.1 only) and
+stops, even on error: the scenarios of scenarios.py and fuzz.py in sequence, their results printed.
+Each scenario runs on the profile that has what it needs (`--replica-profile` for the kills, `--profile`
+for the rest), one server at a time, and its result names that profile:
 
+  on --replica-profile (default cpu-tp2: a drafter replica, FlyDrafter, and a TP group of the target):
   a. the drafter replica SIGKILLed mid-generation (2 plain + 1 streaming requests in flight):
      how each in-flight request ended, seconds until a new drafter replica drafts with the model;
   b. one TP rank SIGKILLed mid-generation: how each in-flight request ended, seconds until
      /healthz says 503 (if it does) and until a request succeeds again;
+  on --profile (default cpu-default, the app as `fly-serve serve` starts it):
   c. overload: 4 x max_batch + max_waiting concurrent short requests: 200 / 503 / other / hung;
   d. schemathesis against the app's own OpenAPI schema, 1,000 fresh cases per route by default
      (a new seed each run, printed): status codes, and every 5xx;
   e. (--soak N) soak.py's long run of N requests: outcomes, RSS at its start and end.
 
-    python -m loadtest.fault_run                       # cpu-tp2 (TP group + drafter replica), real pair
+    python -m loadtest.fault_run                       # the real pair on cpu-tp2, then cpu-default
     python -m loadtest.fault_run --tiny --fuzz-cases 100   # tiny random models: a check in minutes
+    python -m loadtest.fault_run --tiny --only drafter_kill  # one scenario (its profile's server only)
     python -m loadtest.fault_run --soak 500 --port 8011
 
-Prints ONE JSON summary and a markdown table on stdout (progress goes to stderr). Every wait has
-a timeout; a request with no answer within --timeout-s counts as hung. Only processes this run
+Prints ONE JSON summary and a markdown table on stdout (progress goes to stderr), and exits 1 when
+a scenario failed: it raised (a profile with no drafter replica or no TP ranks to kill among them),
+its server never became ready, or the app was not healthy and idle before it. Every wait has a
+timeout; a request with no answer within --timeout-s counts as hung. Only processes this run
 started are killed (procs.kill_ours checks that they descend from it).
 """
 
@@ -53,40 +60,55 @@ def fuzz_run(app: App, args) -> dict:
     return run.summary()
 
 
-def phases(app: App, args, prof: dict) -> list[tuple[str, Callable[[], dict]]]:
-    out = [
-        ("drafter_kill", lambda: drafter_kill(app, args.inflight_tokens, args.max_tokens).summary()),
-        ("tp_rank_kill", lambda: tp_rank_kill(app, args.inflight_tokens, args.max_tokens).summary()),
-        (
-            "overload",
-            lambda: overload(
-                app, int(prof.get("max_batch", 8)), int(prof.get("max_waiting", 16)), args.max_tokens
-            ).summary(),
-        ),
-        ("schemathesis", lambda: fuzz_run(app, args)),
-    ]
-    if args.soak:
-        out.append(("soak", lambda: soak_run(app, args)))
-    return out
+# The kills need processes to kill: a drafter replica and a TP group's ranks, which the default
+# profile (drafter and target inside the ingress process) does not have.
+REPLICA_PHASES = ("drafter_kill", "tp_rank_kill")
+APP_PHASES = ("overload", "schemathesis", "soak")
+PHASES = REPLICA_PHASES + APP_PHASES
 
 
-def run_phases(app: App, args, prof: dict) -> dict:
-    """Each phase in turn, each after the app is healthy and idle again; a phase that raises is
-    recorded and the next runs; a phase the app is not healthy for is skipped."""
+def phases(app: App, args, prof: dict) -> dict[str, Callable[[], dict]]:
+    """Every scenario by name, to run against `app` (prof: its profile's args)."""
+    max_batch, max_waiting = int(prof.get("max_batch", 8)), int(prof.get("max_waiting", 16))
+    return {
+        "drafter_kill": lambda: drafter_kill(app, args.inflight_tokens, args.max_tokens).summary(),
+        "tp_rank_kill": lambda: tp_rank_kill(app, args.inflight_tokens, args.max_tokens).summary(),
+        "overload": lambda: overload(app, max_batch, max_waiting, args.max_tokens).summary(),
+        "schemathesis": lambda: fuzz_run(app, args),
+        "soak": lambda: soak_run(app, args),
+    }
+
+
+def plan(args) -> list[tuple[Path, list[str]]]:
+    """The servers to start, one after the other, each with the scenarios it runs: the kills on
+    --replica-profile, the rest on --profile (one server when both name the same)."""
+    chosen = args.only or [name for name in PHASES if name != "soak" or args.soak]
+    out: dict[Path, list[str]] = {}
+    for profile, names in ((args.replica_profile, REPLICA_PHASES), (args.profile, APP_PHASES)):
+        picked = [name for name in names if name in chosen]
+        if picked:
+            out.setdefault(profile_path(profile), []).extend(picked)
+    return list(out.items())
+
+
+def run_phases(app: App, args, prof: dict, names: list[str]) -> dict:
+    """Each scenario in turn, each after the app is healthy and idle again; one that raises, or
+    that the app is not healthy for, is recorded as failed and the next runs."""
     out: dict[str, dict] = {}
-    for name, phase in phases(app, args, prof):
+    scenario = phases(app, args, prof)
+    for name in names:
         if not wait_healthy(app.url, app.recovery_timeout_s):
-            out[name] = {"skipped": f"the app was not healthy and idle within {app.recovery_timeout_s:g} s"}
-            log(f"{name}: skipped (not healthy)")
+            out[name] = {"failed": f"the app was not healthy and idle within {app.recovery_timeout_s:g} s"}
+            log(f"{name}: failed (not healthy)")
             continue
         log(f"{name} ...")
         t0 = time.monotonic()
         try:
-            out[name] = phase()
+            out[name] = scenario[name]()
         except Exception as e:
-            out[name] = {"error": repr(e)[:500]}
+            out[name] = {"failed": repr(e)[:500]}
         out[name]["phase_s"] = round(time.monotonic() - t0, 1)
-        log(f"{name}: done in {out[name]['phase_s']} s")
+        log(f"{name}: {'failed' if 'failed' in out[name] else 'done'} in {out[name]['phase_s']} s")
     return out
 
 
@@ -95,35 +117,67 @@ def app_args(path: Path) -> dict:
     return yaml.safe_load(path.read_text())["applications"][0].get("args", {})
 
 
+def shown(path: Path) -> str:
+    """A profile as the summary names it: relative to the repository where it lies in it."""
+    path = path.resolve()
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
+def run_server(config: Path, names: list[str], args) -> tuple[dict, dict]:
+    """One `fly-serve serve` on `config`, its scenarios, its stop: (the server's record, each
+    scenario's result with the profile it ran on)."""
+    t0 = time.monotonic()
+    server = ServeProcess(args.port, tiny=args.tiny, config=str(config), grace_s=args.grace_s, num_cpus=args.num_cpus)
+    log(f"started `fly-serve serve` on {shown(config)} (pid {server.pid}) on {server.url} for {names}")
+    record: dict = {"profile": shown(config), "scenarios": names, "url": server.url}
+    try:
+        if server.wait_for("fly-serve: ready", args.start_timeout_s):
+            record["start_s"] = round(time.monotonic() - t0, 1)
+            app = App(server.url, server.pid, args.timeout_s, args.recovery_timeout_s)
+            results = run_phases(app, args, app_args(config), names)
+        else:
+            log("the server did not become ready; its last lines:\n" + "\n".join(server.lines[-40:]))
+            rc = server.proc.poll()
+            ended = f"exited ({rc})" if rc is not None else f"was not ready within {args.start_timeout_s:g} s"
+            reason = f"`fly-serve serve` on {shown(config)} {ended}"
+            results = {name: {"failed": reason} for name in names}
+    finally:
+        record["server_stop"] = stop(server, args)
+    return record, {name: {"profile": shown(config), **result} for name, result in results.items()}
+
+
 # ---- output
 def _cells(t: dict) -> list:
     return [t.get(k, "") for k in ("sent", "answered", "errored", "dropped", "hung")]
 
 
 def table(summary: dict) -> str:
-    """The markdown table of the run: one row per fault (and the requests after it)."""
-    rows = [["fault", "sent", "answered", "errored", "dropped", "hung", "recovery / notes"]]
+    """The markdown table of the run: one row per fault (and the requests after it), each with
+    the profile it ran on."""
+    rows: list[list] = []  # each row's first cell: the scenario it belongs to
     d, tp, ov = summary.get("drafter_kill", {}), summary.get("tp_rank_kill", {}), summary.get("overload", {})
     fz, sk = summary.get("schemathesis", {}), summary.get("soak")
     if "in_flight" in d:
         back = "no new replica drafted" if d["recovery_s"] is None else f"drafting again after {d['recovery_s']} s"
         note = f"{back} (pid {d['drafter_pid']})"
-        rows.append(["drafter replica SIGKILL: in flight (2 plain, 1 stream)", *_cells(d["in_flight"]), note])
+        rows.append(
+            ["drafter_kill", "drafter replica SIGKILL: in flight (2 plain, 1 stream)", *_cells(d["in_flight"]), note]
+        )
         note = f"drafted {d['later_drafted']}"
-        rows.append(["drafter replica SIGKILL: later requests", *_cells(d["later_requests"]), note])
+        rows.append(["drafter_kill", "drafter replica SIGKILL: later requests", *_cells(d["later_requests"]), note])
     if "in_flight" in tp:
         went, back = tp["healthz_503_s"], tp["healthz_200_again_s"]
         health = "/healthz never 503" if went is None else f"/healthz 503 after {went} s (200 again after {back} s)"
         first = tp["first_success_s"]
         note = f"{health}; " + ("no success" if first is None else f"first success {first} s after the kill")
-        rows.append(["TP rank SIGKILL: in flight (2 plain, 1 stream)", *_cells(tp["in_flight"]), note])
+        rows.append(["tp_rank_kill", "TP rank SIGKILL: in flight (2 plain, 1 stream)", *_cells(tp["in_flight"]), note])
         note = f"until the first success: {tp['requests_until_success']}"
-        rows.append(["TP rank SIGKILL: later requests", *_cells(tp["later_requests"]), note])
+        rows.append(["tp_rank_kill", "TP rank SIGKILL: later requests", *_cells(tp["later_requests"]), note])
     if "counts" in ov:
         c = ov["counts"]
         note = f"503: {c['503']} {ov['503_error_codes']}, slowest {ov['max_s']['503']} s; other: {c['other']}"
-        row = [f"overload ({ov['concurrent']} concurrent)", ov["concurrent"], c["200"], c["503"] + c["other"], 0]
-        rows.append([*row, c["hung"], note])
+        row = ["overload", f"overload ({ov['concurrent']} concurrent)", ov["concurrent"], c["200"]]
+        rows.append([*row, c["503"] + c["other"], 0, c["hung"], note])
     if "cases_per_route" in fz:
         statuses: dict[str, int] = {}
         for per_op in fz["statuses"].values():
@@ -132,28 +186,39 @@ def table(summary: dict) -> str:
         fives = sum(v for k, v in statuses.items() if k.startswith("5"))
         ok = sum(v for k, v in statuses.items() if k.startswith("2"))
         note = f"seed {fz['seed']}; cases per route {fz['cases_per_route']}; statuses {statuses}; 5xx: {fives}"
-        rows.append(["schemathesis", sum(fz["cases_per_route"].values()), ok, sum(statuses.values()) - ok, "", ""])
-        rows[-1].append(note)
+        cases = sum(fz["cases_per_route"].values())
+        rows.append(["schemathesis", "schemathesis", cases, ok, sum(statuses.values()) - ok, "", "", note])
     if sk and "outcomes" in sk:
         o = sk["outcomes"]
         start, end = sum(sk["rss_mib_start"].values()), sum(sk["rss_mib_end"].values())
         errored = o.get("rejected", 0) + o.get("shed", 0) + o.get("unexpected", 0)
         note = f"{o}; RSS of the app's processes {start:.0f} -> {end:.0f} MiB"
-        rows.append([f"soak ({sk['requests']} requests)", sk["requests"], o.get("answered", 0), errored])
+        rows.append(["soak", f"soak ({sk['requests']} requests)", sk["requests"], o.get("answered", 0), errored])
         rows[-1] += [o.get("client_left", 0), o.get("hung", 0), note]
-    for name in ("drafter_kill", "tp_rank_kill", "overload", "schemathesis", "soak"):
-        part = summary.get(name) or {}
-        if "error" in part or "skipped" in part:
-            rows.append([name, "", "", "", "", "", part.get("error") or part.get("skipped")])
-    lines = ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-    lines.insert(1, "|" + "---|" * len(rows[0]))
+    for name in PHASES:
+        if "failed" in (summary.get(name) or {}):
+            rows.append([name, name, "", "", "", "", "", f"FAILED: {summary[name]['failed']}"])
+    head = ["fault", "sent", "answered", "errored", "dropped", "hung", "recovery / notes", "profile"]
+    cells = [head] + [[*row[1:], (summary.get(row[0]) or {}).get("profile", "")] for row in rows]
+    lines = ["| " + " | ".join(str(c) for c in row) + " |" for row in cells]
+    lines.insert(1, "|" + "---|" * len(head))
     return "\n".join(lines)
 
 
 def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    # cpu-tp2: the CPU profile with a TP group and a drafter replica, so that both kills have a target
-    p.add_argument("--profile", default="cpu-tp2", help="a name in deployments/ or a Serve config YAML")
+    p.add_argument(
+        "--profile",
+        default="cpu-default",
+        help="the profile of overload, schemathesis and soak: a name in deployments/ or a Serve config YAML",
+    )
+    # cpu-tp2: the CPU profile with a drafter replica and a TP group, so that both kills have a target
+    p.add_argument(
+        "--replica-profile",
+        default="cpu-tp2",
+        help="the profile of the kills, with a drafter replica (FlyDrafter) and TP ranks (tp_size > 1)",
+    )
+    p.add_argument("--only", nargs="+", choices=PHASES, default=None, help="these scenarios only")
     p.add_argument("--tiny", action="store_true", help="tiny random models (a fast check of the run itself)")
     p.add_argument("--port", type=int, default=0, help="the server's port on 127.0.0.1 (0: a free one)")
     p.add_argument("--num-cpus", type=int, default=None, help="logical CPUs of the server's Ray")
@@ -168,12 +233,17 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--soak", type=int, default=0, metavar="N", help="then soak.py's run of N requests")
     p.add_argument("--soak-concurrency", type=int, default=8)
     p.add_argument("--grace-s", type=float, default=30.0, help="the server's grace period when this run stops it")
-    p.add_argument("--server-log", default=None, help="write the server's output here")
+    p.add_argument("--server-log", default=None, help="write the servers' output here, one after the other")
     args = p.parse_args(argv)
     if args.inflight_tokens is None:
         args.inflight_tokens = 400 if args.tiny else 64
-    if not profile_path(args.profile).is_file():
-        p.error(f"--profile: no such config {profile_path(args.profile)}")
+    if args.only and "soak" in args.only and not args.soak:
+        p.error("--only soak: give the soak's length with --soak N")
+    for flag, profile in (("--profile", args.profile), ("--replica-profile", args.replica_profile)):
+        if not profile_path(profile).is_file():
+            p.error(f"{flag}: no such config {profile_path(profile)}")
+    if args.server_log:
+        Path(args.server_log).write_text("")  # each server's lines are appended as it stops
     return args
 
 
@@ -186,7 +256,8 @@ def stop(server: ServeProcess, args) -> dict:
     left = [p for p in before if alive(p)]
     log(f"server stopped (exit {rc}) in {time.monotonic() - t0:.1f} s; of its {len(before)} processes left: {left}")
     if args.server_log:
-        Path(args.server_log).write_text("\n".join(server.lines) + "\n")
+        with open(args.server_log, "a") as f:
+            f.write("\n".join(server.lines) + "\n")
     return {"exit_code": rc, "stop_s": round(time.monotonic() - t0, 1), "processes_left": left}
 
 
@@ -194,27 +265,18 @@ def main(argv=None) -> dict:
     args = parse(argv)
     # a SIGTERM to this run ends it through `finally`, which stops the server it started
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    config = profile_path(args.profile)
-    t0 = time.monotonic()
-    server = ServeProcess(args.port, tiny=args.tiny, config=str(config), grace_s=args.grace_s, num_cpus=args.num_cpus)
-    log(f"started `fly-serve serve` (pid {server.pid}) on {server.url}; waiting until ready")
     summary: dict = {
-        "profile": str(config.resolve().relative_to(ROOT)) if config.resolve().is_relative_to(ROOT) else str(config),
         "tiny": args.tiny,
-        "url": server.url,
         "max_tokens": args.max_tokens,
         "inflight_tokens": args.inflight_tokens,
         "timeout_s": args.timeout_s,
+        "servers": [],
     }
-    try:
-        if not server.wait_for("fly-serve: ready", args.start_timeout_s):
-            log("the server did not become ready; its last lines:\n" + "\n".join(server.lines[-40:]))
-            raise SystemExit(1)
-        summary["start_s"] = round(time.monotonic() - t0, 1)
-        app = App(server.url, server.pid, args.timeout_s, args.recovery_timeout_s)
-        summary |= run_phases(app, args, app_args(config))
-    finally:
-        summary["server_stop"] = stop(server, args)
+    for config, names in plan(args):
+        record, results = run_server(config, names, args)
+        summary["servers"].append(record)
+        summary |= results
+    summary["failed"] = [name for name in PHASES if "failed" in summary.get(name, {})]
     print(json.dumps(summary, indent=1))
     print()
     print(table(summary))
@@ -222,4 +284,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(1 if main()["failed"] else 0)

@@ -1,8 +1,9 @@
 """Serving that stays up, end to end (tiny models, real Ray, 127.0.0.1 only): the fault scenarios
-of loadtest (a drafter replica killed mid-generation, a TP rank killed mid-generation, SIGTERM to
-`fly-serve serve` with requests in flight, a schemathesis fuzz of the app's own OpenAPI schema)
-run against a live app and their results are asserted on here; a hung rank (SIGSTOP) on a
-deployment of its own.
+of loadtest (a TP rank killed mid-generation, SIGTERM to `fly-serve serve` with requests in
+flight, a schemathesis fuzz of the app's own OpenAPI schema) run against a live app and their
+results are asserted on here; the drafter replica killed mid-generation through the fault run
+itself (`python -m loadtest.fault_run`, on the profile with a drafter replica, and a failure on one
+without); a hung rank (SIGSTOP) on a deployment of its own.
 
 Only processes this test process started are killed: pids come from the process tree under it
 (loadtest.procs.replica_pids) and loadtest.procs.kill_ours refuses any other. Every client call
@@ -12,17 +13,20 @@ request ended, and the time to recovery."""
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import psutil
 import pytest
 import requests
-from serve_fixture import start_serve, stop_serve
+from serve_fixture import ROOT, start_serve, stop_serve
 
 from loadtest.client import CLIENT_TIMEOUT_S
+from loadtest.fault_run import table
 from loadtest.fuzz import fuzz_app
 from loadtest.procs import alive, app_processes, kill_ours, replica_pids
-from loadtest.scenarios import App, drafter_kill, sigterm_drain, tp_rank_kill
+from loadtest.scenarios import App, sigterm_drain, tp_rank_kill
 from loadtest.server import ServeProcess
 from loadtest.waits import until
 
@@ -80,6 +84,66 @@ def test_sigterm_lets_in_flight_requests_finish():
     assert d.exit_s < GRACE_S + SHUTDOWN_S
 
 
+# ---- the fault run's drafter kill (before the module's Ray too: each run starts its own server)
+FAULT_RUN_S = START_TIMEOUT_S + 2 * RECOVERY_TIMEOUT_S + 2 * CLIENT_TIMEOUT_S  # every wait it may make
+ANSWERED = {"sent": 3, "answered": 3, "errored": 0, "dropped": 0, "hung": 0}
+
+
+def fault_run(*argv: str) -> tuple[int, dict, str]:
+    """`python -m loadtest.fault_run --tiny --only drafter_kill ...` as a child of this process:
+    its exit code, its JSON summary (stdout's first part) and its log. Past its time it gets a
+    SIGTERM, which stops the server it started, and the test fails."""
+    limits = ["--start-timeout-s", str(START_TIMEOUT_S), "--recovery-timeout-s", str(RECOVERY_TIMEOUT_S)]
+    argv = ("--tiny", "--only", "drafter_kill", *limits, "--grace-s", "10", *argv)
+    run = subprocess.Popen(
+        [sys.executable, "-m", "loadtest.fault_run", *argv],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        out, log = run.communicate(timeout=FAULT_RUN_S)
+    except subprocess.TimeoutExpired:
+        run.terminate()
+        out, log = run.communicate(timeout=GRACE_S + SHUTDOWN_S)
+        pytest.fail(f"the fault run took over {FAULT_RUN_S:g} s:\n{log[-3000:]}")
+    assert out.lstrip().startswith("{"), f"exit {run.returncode}, no summary:\n{log[-3000:]}"
+    summary, _ = json.JSONDecoder().raw_decode(out.lstrip())
+    return run.returncode, summary, log
+
+
+def test_fault_run_kills_the_drafter_replica_of_its_replica_profile():
+    # the tiny pair agrees on most drafts: the scenario's small k and 600 tokens keep 3 requests in flight
+    rc, summary, log = fault_run("--inflight-tokens", "600", "--max-tokens", str(PROBE_TOKENS))
+    d = summary["drafter_kill"]
+    report("fault run: drafter replica SIGKILLed with 3 in flight (1 streaming)", d)
+    assert rc == 0 and summary["failed"] == [], (d, log[-3000:])
+    # the run's default replica profile, said in its summary, its log and its table
+    assert d["profile"] == "deployments/cpu-tp2.yaml"
+    assert [s["profile"] for s in summary["servers"]] == ["deployments/cpu-tp2.yaml"]
+    assert "on deployments/cpu-tp2.yaml" in log
+    assert all(row.endswith("| deployments/cpu-tp2.yaml |") for row in table(summary).splitlines()[2:])
+    assert d["in_flight"] == ANSWERED and d["in_flight_finished_normally"] == 3, d["in_flight_errors"]
+    assert d["in_flight_ended_before_kill"] == 0, "a request finished before the kill"
+    assert d["recovery_s"] is not None, "no new drafter replica drafted"
+    old_pid, new_pid = d["drafter_pid"].split(" -> ")
+    assert new_pid not in ("None", old_pid) and not d["old_pid_alive"]
+    assert d["later_requests"] == ANSWERED and all(n > 0 for n in d["later_drafted"]), d["later_errors"]
+    assert d["drafter_forwards_during_later"] > 0  # the later requests drafted with the new replica's model
+
+
+def test_fault_run_fails_where_its_profile_has_no_drafter_replica():
+    # cpu-default runs the drafter inside the ingress process: nothing to kill is a failure, not a skip
+    rc, summary, log = fault_run("--replica-profile", "cpu-default")
+    d = summary["drafter_kill"]
+    report("fault run: drafter kill on a profile without a drafter replica", d)
+    assert rc == 1 and summary["failed"] == ["drafter_kill"], log[-3000:]
+    assert d["profile"] == "deployments/cpu-default.yaml"
+    assert "expected one drafter replica, found pids []" in d["failed"]  # the app was up: it looked
+    assert any(row.startswith("| drafter_kill |") and "FAILED" in row for row in table(summary).splitlines())
+
+
 # ---- the module's app: tiny pair, target TP=2, its Ray under this process
 @pytest.fixture(scope="module")
 def app():
@@ -101,21 +165,6 @@ def test_schemathesis_finds_no_server_error(app):
     assert {"/v1/completions", "/v1/chat/completions"} <= set(run.declared), run.declared
     assert len(run.routes) == 4 and all(r.cases > 0 for r in run.routes)
     assert not run.server_errors, f"seed {run.seed}: {run.server_errors}"
-
-
-# ---- the drafter replica killed mid-generation
-def test_drafter_killed_mid_generation(app):
-    # the tiny pair agrees on most drafts: small k (the scenario's) keeps the requests in flight
-    d = drafter_kill(app, 3 * LONG_TOKENS, PROBE_TOKENS)
-    report("drafter replica SIGKILLed with 3 in flight (1 streaming)", d.summary())
-    assert [o.kind for o in d.in_flight] == ["ok"] * 3, [o.detail for o in d.in_flight]
-    assert all(o.ended > d.t_kill for o in d.in_flight), "a request finished before the kill"
-    assert all(o.finished_normally for o in d.in_flight), [o.body for o in d.in_flight]
-    assert d.recovery_s is not None, "no new drafter replica drafted"
-    assert d.new_pid not in (None, d.old_pid)
-    assert [o.kind for o in d.later] == ["ok"] * 3 and all(o.body["fly"]["drafted"] > 0 for o in d.later)
-    assert d.forwards_after_later > d.forwards_before_later  # the later requests drafted with the model
-    assert not d.old_pid_alive
 
 
 # ---- one TP rank killed mid-generation

@@ -10,7 +10,7 @@ from dataclasses import asdict
 import pytest
 
 from loadtest.client import Outcome, Tally, failures
-from loadtest.fault_run import table
+from loadtest.fault_run import parse, plan, table
 from loadtest.procs import alive, ancestors, kill_ours, replica_pids
 from loadtest.waits import until
 
@@ -63,18 +63,41 @@ def test_kill_ours_reaches_a_child_and_refuses_anything_else():
     assert replica_pids(os.getpid(), "FlyDrafter") == []  # no Ray under this process
 
 
+def test_fault_run_kills_on_the_replica_profile_and_runs_the_rest_on_the_default():
+    """The drafter and the TP rank are killed on a profile that has them (cpu-tp2: a FlyDrafter
+    replica and a TP group); overload, fuzz and soak run on the app as `fly-serve serve` starts it."""
+    profiles = lambda argv: [(path.name, names) for path, names in plan(parse(argv))]
+    assert profiles([]) == [
+        ("cpu-tp2.yaml", ["drafter_kill", "tp_rank_kill"]),
+        ("cpu-default.yaml", ["overload", "schemathesis"]),
+    ]
+    assert profiles(["--soak", "10", "--only", "drafter_kill", "soak"]) == [
+        ("cpu-tp2.yaml", ["drafter_kill"]),
+        ("cpu-default.yaml", ["soak"]),
+    ]
+    # one profile for both: one server runs every scenario
+    assert profiles(["--profile", "cpu-tp2"]) == [
+        ("cpu-tp2.yaml", ["drafter_kill", "tp_rank_kill", "overload", "schemathesis"])
+    ]
+
+
 def test_fault_run_table_has_a_row_per_fault_and_says_what_failed():
     tally = dict(sent=3, answered=3, errored=0, dropped=0, hung=0)
     summary = {
         "drafter_kill": {
+            "profile": "deployments/cpu-tp2.yaml",
             "in_flight": tally,
             "recovery_s": 14.8,
             "drafter_pid": "1 -> 2",
             "later_requests": tally,
             "later_drafted": [5, 6, 7],
         },
-        "tp_rank_kill": {"error": "ScenarioError('expected TP ranks (tp_size > 1), found pids []')"},
+        "tp_rank_kill": {
+            "profile": "deployments/cpu-default.yaml",
+            "failed": "ScenarioError('expected TP ranks (tp_size > 1), found pids []')",
+        },
         "schemathesis": {
+            "profile": "deployments/cpu-default.yaml",
             "seed": 7,
             "cases_per_route": {"POST /v1/completions": 1000},
             "statuses": {
@@ -85,9 +108,12 @@ def test_fault_run_table_has_a_row_per_fault_and_says_what_failed():
     }
     rows = table(summary).splitlines()
     assert rows[0].startswith("| fault |") and rows[1].startswith("|---|")
-    assert any("drafting again after 14.8 s" in r for r in rows)
+    assert rows[0].endswith("| profile |") and len(rows[1].split("|")) == len(rows[0].split("|"))
+    assert any("drafting again after 14.8 s" in r and r.endswith("| deployments/cpu-tp2.yaml |") for r in rows)
     assert any(r.startswith("| schemathesis | 1000 | 400 | 600 |") and "seed 7" in r and "5xx: 0" in r for r in rows)
-    assert any(r.startswith("| tp_rank_kill |") and "expected TP ranks" in r for r in rows)
+    failed = [r for r in rows if r.startswith("| tp_rank_kill |")]
+    assert len(failed) == 1 and "FAILED: ScenarioError('expected TP ranks" in failed[0]
+    assert failed[0].endswith("| deployments/cpu-default.yaml |")
 
 
 def test_soak_classifies_the_openai_clients_transport_errors():
