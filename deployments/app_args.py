@@ -75,6 +75,9 @@ class AppArgs(BaseModel):
     drafter_kv_budget_tokens: int | None = Field(None, ge=KV_BLOCK_TOKENS)
     # Share the KV blocks of a common token prefix between requests (fly_serve/kv_cache.py)
     prefix_cache: bool = False
+    # the models' runtime (fly_serve/loading.py resolve_runtime): auto runs a GGUF model on
+    # llama.cpp's kernels on a CPU, torch elsewhere
+    runtime: Literal["auto", "torch", "llama.cpp"] = "auto"
     # Staying up (deployments/README.md, "Serving that stays up"):
     max_waiting: int = Field(DEFAULT_MAX_WAITING, ge=0)  # admitted beyond max_batch; past that, 503
     # one call from the ingress to the target or to a drafter replica (then it is cancelled)
@@ -128,6 +131,7 @@ class AppArgs(BaseModel):
             drafter_kv_budget_tokens=self.drafter_kv_budget_tokens,
             draft_ahead=self.draft_ahead,
             prefix_cache=self.prefix_cache,
+            runtime=self.runtime,
         )
 
     @property

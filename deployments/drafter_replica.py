@@ -39,6 +39,7 @@ PROBE_TIMEOUT_S = 20.0  # the calls before it done (no call stuck) and one token
 # Serve's controller: a check every period; three failed checks in a row replace the replica.
 HEALTH_CHECK_PERIOD_S = 5.0
 HEALTH_CHECK_TIMEOUT_S = 30.0
+PROBE_KEY = "health-probe"  # the llama.cpp probe's row, released at once
 
 
 @serve.deployment(
@@ -162,6 +163,10 @@ class DrafterDeployment:
         """Embedding, final norm and head on one token: the weights are there and compute, and no
         sequence's KV cache is touched."""
         model = self.drafter.runner.model
+        if not isinstance(model, torch.nn.Module):  # llama.cpp: a one-token forward of a probe row
+            logits, _ = self.drafter.runner.feed([PROBE_KEY], [[0]], tail=[1])
+            self.drafter.runner.release([PROBE_KEY])
+            return logits
         with torch.inference_mode():
             h = model.model.embed_tokens(torch.zeros(1, 1, dtype=torch.long, device=self.drafter.runner.device))
             return model.lm_head(model.model.norm(h))

@@ -69,6 +69,7 @@ def generate(args) -> None:
         drafter_head_cut=args.drafter_head_cut,
         max_batch=1,
         draft_min_confidence=args.draft_min_confidence,
+        runtime=args.runtime,
         progress=progress,
     )
     progress(f"models ready in {time.perf_counter() - t0:.1f} s; generating")

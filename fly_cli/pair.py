@@ -3,7 +3,7 @@ A module of its own so that main.py and tune_k.py both import it and not each ot
 
 import argparse
 
-from fly_serve.loading import DTYPES, PRECISIONS
+from fly_serve.loading import DTYPES, PRECISIONS, RUNTIMES
 from fly_serve.weights import DEFAULT_DRAFTER, DEFAULT_TARGET
 
 
@@ -16,7 +16,13 @@ def add_pair(p: argparse.ArgumentParser) -> None:
         default="auto",
         help="target precision (auto: bf16 with hardware bf16, else fp32)",
     )
-    p.add_argument("--drafter-precision", choices=PRECISIONS, default="int8")
+    p.add_argument("--drafter-precision", choices=PRECISIONS, default="int8", help="of a torch drafter")
+    p.add_argument(
+        "--runtime",
+        choices=RUNTIMES,
+        default="auto",
+        help="model runtime (auto: llama.cpp's kernels for GGUF models on a CPU, torch elsewhere)",
+    )
     p.add_argument(
         "--drafter-head-cut",
         type=int,

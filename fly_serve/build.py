@@ -5,18 +5,26 @@ so the tokenizer check, the max_model_len clamp and the EOS ids are written once
 
 from dataclasses import replace
 
+import torch
+
 from .config import EngineConfig
-from .contracts import Drafter, Scorer
+from .contracts import Drafter, ModelRunner, Scorer
 from .cost_calibration import calibrate_engine, calibration_key, model_name
 from .drafters import ModelDrafter
 from .engine import Engine
 from .grammar import Grammars
 from .head_cut import check_head_cut
+from .llama_runner import GGUFModel, LlamaRunner
 from .loading import eos_ids, load_config, load_model, load_tokenizer
 from .model_scorer import ModelScorer
 from .params import Params
 from .round_cost import CostProfile
+from .runner import Runner
 from .weights import DEFAULT_DRAFTER, DEFAULT_TARGET, check_same_tokenizer
+
+
+def logit_width(model) -> int:
+    return model.n_vocab if isinstance(model, GGUFModel) else model.config.vocab_size
 
 
 def check_widths(target_model, drafter_model, tokenizer) -> None:
@@ -24,31 +32,40 @@ def check_widths(target_model, drafter_model, tokenizer) -> None:
     both cover every token the tokenizer can produce; both are cut to the tokenizer's tokens."""
     n = len(tokenizer)
     for role, model in (("target", target_model), ("drafter", drafter_model)):
-        if model.config.vocab_size < n:
-            raise ValueError(f"{role}: {model.config.vocab_size} logits cannot cover the tokenizer's {n} tokens")
+        if logit_width(model) < n:
+            raise ValueError(f"{role}: {logit_width(model)} logits cannot cover the tokenizer's {n} tokens")
 
 
-def scorer_for(model, config: EngineConfig, vocab_size: int, tp_group=None, sample: bool = True) -> ModelScorer:
-    """sample: False on TP ranks above 0, whose verdicts nobody reads (they skip the sampling)."""
-    return ModelScorer(
+def runner_for(model, config: EngineConfig, budget_tokens: int | None, tp_group=None) -> ModelRunner:
+    """A loaded model with its KV cache: on llama.cpp's kernels for a GGUF model (its threads this
+    process's torch setting, loading.set_threads), else on torch's."""
+    if isinstance(model, GGUFModel):
+        return LlamaRunner(
+            model,
+            n_slots=config.max_batch,
+            budget_tokens=budget_tokens,
+            prefix_cache=config.prefix_cache,
+            threads=torch.get_num_threads(),
+        )
+    return Runner(
         model,
         n_slots=config.max_batch,
         tp_group=tp_group,
-        vocab_size=vocab_size,
-        kv_budget_tokens=config.target_budget,
-        sample=sample,
+        budget_tokens=budget_tokens,
         prefix_cache=config.prefix_cache,
     )
 
 
+def scorer_for(model, config: EngineConfig, vocab_size: int, tp_group=None, sample: bool = True) -> ModelScorer:
+    """sample: False on TP ranks above 0, whose verdicts nobody reads (they skip the sampling)."""
+    return ModelScorer(runner_for(model, config, config.target_budget, tp_group), vocab_size=vocab_size, sample=sample)
+
+
 def drafter_for(model, config: EngineConfig, vocab_size: int) -> ModelDrafter:
     return ModelDrafter(
-        model,
-        n_slots=config.max_batch,
+        runner_for(model, config, config.drafter_budget),
         min_confidence=config.draft_min_confidence,
         vocab_size=vocab_size,
-        kv_budget_tokens=config.drafter_budget,
-        prefix_cache=config.prefix_cache,
     )
 
 
@@ -58,7 +75,9 @@ def load_scorer(
     """The target (rank `rank` of `world` shards) as a scorer, on `device` (devices.py; None: this
     process's). Every rank gets the same token budget, so that the ranks take the same block
     decisions."""
-    model = load_model(config.target, config.dtype, rank, world, progress=progress, device=device)
+    model = load_model(
+        config.target, config.dtype, rank, world, progress=progress, device=device, runtime=config.runtime
+    )
     return scorer_for(model, config, len(load_tokenizer(config.target, progress)), tp_group, sample=rank == 0)
 
 
@@ -66,7 +85,12 @@ def load_drafter(config: EngineConfig, device=None, progress=print) -> ModelDraf
     """The draft model, its logits cut to the tokenizer's tokens as the target's are."""
     check_head_cut(config.drafter_head_cut, "drafter_head_cut")
     model = load_model(
-        config.drafter, config.drafter_precision, progress=progress, head_cut=config.drafter_head_cut, device=device
+        config.drafter,
+        config.drafter_precision,
+        progress=progress,
+        head_cut=config.drafter_head_cut,
+        device=device,
+        runtime=config.runtime,
     )
     return drafter_for(model, config, len(load_tokenizer(config.drafter, progress)))
 
@@ -88,6 +112,8 @@ def assemble_engine(
     the target's tokenizer: speculative decoding compares token ids."""
     if drafter is not None and isinstance(config.drafter, str):
         check_same_tokenizer(tokenizer, load_tokenizer(config.drafter, progress))
+    if isinstance(target_model, GGUFModel):  # its config and EOS ids are read by name
+        target_model = None
     model_config = target_model.config if target_model is not None else load_config(config.target, progress)
     engine = Engine(
         scorer,
@@ -124,6 +150,7 @@ def build_engine(
     target_kv_budget_tokens: int | None = None,
     drafter_kv_budget_tokens: int | None = None,
     prefix_cache: bool = False,
+    runtime: str = "auto",
     device=None,
     calibrate: bool | None = None,
     progress=print,
@@ -145,7 +172,9 @@ def build_engine(
     (cost_calibration.py; cached per machine, models and versions) when calibrate is True, or
     None and the defaults use k "auto"; otherwise the uncalibrated default shape, which the
     policy's cost check corrects from the first rounds (calibrate_engine can still be called).
-    draft_ahead, draft_threads, verify_threads: EngineConfig's (draft_ahead.py)."""
+    draft_ahead, draft_threads, verify_threads: EngineConfig's (draft_ahead.py). runtime: the
+    models' runtime (loading.resolve_runtime: "auto" runs a GGUF model on llama.cpp's kernels on
+    a CPU)."""
     if config is None:
         config = EngineConfig(
             dtype=dtype,
@@ -163,6 +192,7 @@ def build_engine(
             draft_threads=draft_threads,
             verify_threads=verify_threads,
             prefix_cache=prefix_cache,
+            runtime=runtime,
         )
     check_head_cut(config.drafter_head_cut, "drafter_head_cut")
     names = model_name(target), model_name(drafter)  # for the calibration's key, before loading
@@ -177,7 +207,7 @@ def build_engine(
             raise ValueError("tokenizer: required when the target is an already-loaded model")
         tokenizer = load_tokenizer(config.target, progress)
     if isinstance(target, str):
-        target_model = load_model(target, config.dtype, progress=progress, device=device)
+        target_model = load_model(target, config.dtype, progress=progress, device=device, runtime=config.runtime)
     else:
         target_model = target
     draft = None
@@ -185,7 +215,12 @@ def build_engine(
         if isinstance(drafter, str):
             check_same_tokenizer(tokenizer, load_tokenizer(drafter, progress))
             drafter = load_model(
-                drafter, config.drafter_precision, progress=progress, head_cut=config.drafter_head_cut, device=device
+                drafter,
+                config.drafter_precision,
+                progress=progress,
+                head_cut=config.drafter_head_cut,
+                device=device,
+                runtime=config.runtime,
             )
         elif config.drafter_head_cut is not None:  # cutting a caller's model in place would surprise it
             raise ValueError("drafter_head_cut: only for a drafter given by name (cut a loaded one: head_cut.cut_head)")

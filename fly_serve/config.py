@@ -35,6 +35,10 @@ class EngineConfig:
     # Share full KV blocks between sequences with the same token prefix (kv_cache.py), on the
     # target (every TP rank) and the drafter; off: every request prefills its whole prompt.
     prefix_cache: bool = False
+    # The models' runtime (loading.resolve_runtime): "auto" runs a model that ships as GGUF on
+    # llama.cpp's CPU kernels as shipped (llama_runner.py) and everything else on torch (GPUs, TP,
+    # checkpoints, tiny test models); "torch" or "llama.cpp" to choose.
+    runtime: str = "auto"
 
     def params(self) -> Params:
         return Params.from_dict(self.defaults)

@@ -138,6 +138,39 @@ class Drafter(Protocol):
         replica's own."""
 
 
+class RunnerCache(Protocol):
+    """What the scorer and the drafter read of a runner's KV cache (kv_cache.KVCache, or
+    llama_runner.SeqTable over llama.cpp's)."""
+
+    capacity_tokens: int  # tokens it holds, all sequences together
+    hit_tokens_total: int  # prompt tokens the prefix cache saved feeding, since start
+
+    def valid(self, key: str, tokens: list[int]) -> int: ...
+
+    def take_hits(self, keys: list[str]) -> list[int]: ...
+
+
+class ModelRunner(Protocol):
+    """A model with a KV cache per sequence, as the scorer and the model drafter drive it: the torch
+    runtime (runner.Runner: GPUs, tensor parallelism, the fp32 exactness tests) or llama.cpp's
+    kernels on a GGUF file (llama_runner.LlamaRunner: the CPU default)."""
+
+    device: torch.device  # where its logits are
+    vocab_size: int  # logits' width (the model's head; the parts cut it to the tokenizer's)
+    cache: RunnerCache
+
+    def feed(
+        self, keys: list[str], tokens: list[list[int]], tail: list[int] | None = None, logits: bool = True, protect=()
+    ) -> tuple[torch.Tensor | None, list[int]]:
+        """Bring each row's cache up to its tokens: (logits [B, T, V] of every fed position, or
+        with `tail` of each row's last tail[b] tokens; the tokens fed per row)."""
+
+    def catch_up(self, keys: list[str], tokens: list[list[int]], max_lag: int = 1) -> None:
+        """Prefill the rows whose cache lags more than max_lag tokens behind."""
+
+    def release(self, keys: list[str]) -> None: ...
+
+
 class Scorer(Protocol):
     """The target side of a round: one forward over [last token, d_1..d_K] for every row."""
 

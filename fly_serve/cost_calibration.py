@@ -107,7 +107,17 @@ def versions() -> dict:
         fly = md.version("fly-serve")
     except md.PackageNotFoundError:
         fly = "dev"
-    return {"torch": torch.__version__, "transformers": transformers.__version__, "fly-serve": fly, "format": FORMAT}
+    try:
+        llama = md.version("llama-cpp-python")
+    except md.PackageNotFoundError:
+        llama = None
+    return {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "llama-cpp-python": llama,
+        "fly-serve": fly,
+        "format": FORMAT,
+    }
 
 
 def model_name(model) -> str | None:
@@ -122,13 +132,15 @@ def calibration_key(config: EngineConfig, k_max: int, *, target=None, drafter=No
     config's names; target / drafter: a loaded part where the config has no name, named by
     model_name), their precisions, the batch and k bounds, the versions. shape: the serving shape
     (tp_size, threads per part, where the drafter runs ...), whatever else changes the curve."""
-    from .loading import resolve_precision
+    from .loading import resolve_precision, resolve_runtime
 
+    target_name = config.target if target is None else target
     return {
         "machine": machine(),
         "target": model_name(config.target if target is None else target),
         "drafter": model_name(config.drafter if drafter is None else drafter),
         "dtype": resolve_precision(config.dtype),
+        "runtime": resolve_runtime(config.runtime, target_name, progress=lambda _: None),
         "drafter_precision": config.drafter_precision,
         "drafter_head_cut": config.drafter_head_cut,
         "max_batch": int(config.max_batch),

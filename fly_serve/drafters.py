@@ -37,9 +37,8 @@ from dataclasses import replace
 import torch
 
 from . import prompt_lookup
-from .contracts import Drafts, DraftSource, Row
+from .contracts import Drafts, DraftSource, ModelRunner, Row
 from .grammar import DraftMatchers, Grammars, Matcher, apply_masks
-from .runner import Runner
 from .sampling import Generators, probs, speculative_row, wire_q
 from .verify import decide, greedy_check, padded
 
@@ -120,17 +119,15 @@ class LookupDrafter(SourceDrafter):
 class ModelDrafter:
     def __init__(
         self,
-        model,
-        n_slots: int = 8,
+        runner: ModelRunner,
         max_n: int = 4,
         min_n: int = 1,
         min_confidence: float = 0.0,
         vocab_size: int | None = None,
-        kv_budget_tokens: int | None = None,
-        prefix_cache: bool = False,
     ):
-        self.runner = Runner(model, n_slots=n_slots, budget_tokens=kv_budget_tokens, prefix_cache=prefix_cache)
-        self.kv_capacity_tokens = self.runner.cache.capacity_tokens
+        """runner: the draft model with its KV cache (contracts.ModelRunner)."""
+        self.runner = runner
+        self.kv_capacity_tokens = runner.cache.capacity_tokens
         # MLA levels by name (params.MLA_SOURCES); the engine shares its suffix index and token
         # recycler here (share_sources), so a standalone drafter has prompt lookup only.
         self.sources: dict[str, DraftSource] = {"pld": PromptLookup(max_n, min_n)}
@@ -139,7 +136,7 @@ class ModelDrafter:
         self.min_confidence = min_confidence
         # The tokens the tokenizer knows (model_scorer.py cuts the target's logits the same way),
         # so q has the target's width and no padding row of a wider head is ever drafted.
-        self.vocab_size = vocab_size or model.config.vocab_size
+        self.vocab_size = vocab_size or runner.vocab_size
         self.generators = Generators(salt=1, device=self.runner.device)  # sampling stays by the logits
         # per sampling row drafted ahead: (its generator's state before, the tokens a later call
         # must start with for those draws to stand; None until the ahead call finished)

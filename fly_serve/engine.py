@@ -170,6 +170,11 @@ class Engine:
                 if getattr(runner, "graphs", None) is not None:
                     log.info("draft-ahead: CUDA graphs off for %s (two stages share the process)", type(part).__name__)
                     runner.graphs = None
+        if on:  # a llama.cpp part has its own thread count, not torch's (llama_runner.py)
+            for part, n in ((self.drafters["model"], draft_threads), (self.scorer, verify_threads)):
+                runner = getattr(part, "runner", None)
+                if n > 0 and hasattr(runner, "set_threads"):
+                    runner.set_threads(n)
         self.ahead.clear()
         self.policy.overlap = on
 

@@ -24,10 +24,11 @@ from .devices import is_gpu, local_device
 from .head_cut import check_head_cut, cut_head
 from .sharded_load import load_shard
 from .tiny import poisoned, tiny_model, tiny_tokenizer
-from .weights import converted_path, load_converted, resolve
+from .weights import cache_dir, converted_path, gguf_file, load_converted, resolve, resolve_meta
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 PRECISIONS = ("auto", "bf16", "fp32", "int8")
+RUNTIMES = ("auto", "torch", "llama.cpp")
 # "tiny:N": a tiny random model; "tiny:N:poison": one whose forward fails on tiny.POISON_ID, so
 # that a test can send a request that fails for its own reasons (tiny.poisoned)
 _TINY = re.compile(r"tiny:(\d+)(:poison)?$")
@@ -63,6 +64,45 @@ def resolve_precision(precision: str, device: torch.device | str | None = None, 
     return "bf16" if gpu or cpu_has_bf16() else "fp32"
 
 
+def resolve_runtime(runtime: str, name, device=None, world: int = 1, progress=print) -> str:
+    """The model runtime a model runs on: "torch" or "llama.cpp" (llama_runner.py).
+
+    "auto": llama.cpp's kernels on a CPU for a model that ships as a GGUF file (the embedded pair,
+    a .gguf path), run as shipped; torch elsewhere: on a GPU, for tensor parallelism, for an
+    already loaded model, for safetensors checkpoints and for the tiny test models. Without the
+    native part (llama-cpp-python not importable) "auto" says why and runs torch; asked for by
+    name, "llama.cpp" fails with that reason."""
+    from . import llama_runner
+
+    if runtime not in RUNTIMES:
+        raise ValueError(f"runtime: must be one of {', '.join(RUNTIMES)} (got {runtime!r})")
+    if runtime == "llama.cpp":
+        if world > 1:
+            raise ValueError("runtime: llama.cpp runs one process per model; tensor parallelism needs runtime torch")
+        if device is not None and is_gpu(device):
+            raise ValueError("runtime: llama.cpp runs on the CPU here; a GPU needs runtime torch")
+        llama_runner.lib()  # raises LlamaCppMissing, naming what is missing
+        return runtime
+    if runtime == "torch" or not isinstance(name, str) or world > 1 or tiny_seed(name) is not None:
+        return "torch"
+    if is_gpu(device if device is not None else local_device()) or gguf_file(name, progress) is None:
+        return "torch"
+    if not llama_runner.available():
+        progress(f"runtime auto: torch, since {_missing_reason()}")
+        return "torch"
+    return "llama.cpp"
+
+
+def _missing_reason() -> str:
+    from . import llama_runner
+
+    try:
+        llama_runner.lib()
+    except llama_runner.LlamaCppMissing as e:
+        return str(e)
+    return "llama.cpp is available"
+
+
 def set_threads(n: int | None) -> None:
     """Torch threads of this process (Ray sets OMP_NUM_THREADS=1 in fractional-CPU actors)."""
     if n:
@@ -86,11 +126,15 @@ def load_model(
     progress=print,
     head_cut: int | None = None,
     device: torch.device | str | None = None,
+    runtime: str = "torch",
 ):
     """The model `name` at `precision` (tiny models are always fp32), this rank's shard of
     `world`, on `device` (default: this process's, devices.local_device), in eval mode. head_cut:
     keep only the lm_head rows of ids below it and of the tokenizer's added tokens (a drafter's
-    option, head_cut.py)."""
+    option, head_cut.py). runtime "llama.cpp" (or "auto" choosing it, resolve_runtime): a
+    llama_runner.GGUFModel of the file as shipped, at its own quantization (precision unused)."""
+    if resolve_runtime(runtime, name, device, world, progress) == "llama.cpp":
+        return _gguf(name, head_cut, progress)
     if precision not in PRECISIONS:
         raise ValueError(f"precision: must be one of {', '.join(PRECISIONS)} (got {precision!r})")
     device = torch.device(device) if device is not None else local_device()
@@ -115,6 +159,31 @@ def load_model(
     elif device.type == "cpu":
         onednn_linear.use_where_faster(model, progress)  # fp32 layers only; measured here
     return model.to(device)
+
+
+def _gguf(name: str, head_cut: int | None, progress):
+    from .llama_runner import GGUFModel
+
+    if check_head_cut(head_cut) is not None:
+        raise ValueError("head_cut: cuts a torch model's lm_head; runtime llama.cpp runs the GGUF as shipped")
+    seed = tiny_seed(name)
+    if seed is not None:  # a tiny model, written as a GGUF once (tiny_gguf.py)
+        import transformers
+
+        from .tiny_gguf import write_tiny_gguf
+
+        if name.endswith(":poison"):
+            raise ValueError("runtime: a poisoned tiny model is a torch module; use runtime torch")
+        tag = f"torch{torch.__version__}-tf{transformers.__version__}"
+        path = cache_dir() / "converted" / f"tiny-{seed}-{re.sub(r'[^A-Za-z0-9_.+-]', '_', tag)}.gguf"
+        if not path.is_file():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_tiny_gguf(seed, path)
+        return GGUFModel(path)
+    path = gguf_file(name, progress)
+    if path is None:
+        raise ValueError(f"runtime: llama.cpp runs GGUF files; {name!r} has none (use runtime torch)")
+    return GGUFModel(path)
 
 
 def _int8(name: str, head_cut: int | None, progress):
@@ -143,7 +212,7 @@ def _cut(model, name: str, head_cut: int | None, progress):
 def load_tokenizer(name: str, progress=print):
     if tiny_seed(name) is not None:
         return tiny_tokenizer()
-    return AutoTokenizer.from_pretrained(resolve(name, progress))
+    return AutoTokenizer.from_pretrained(resolve_meta(name, progress))
 
 
 def load_config(name: str, progress=print):
@@ -151,7 +220,7 @@ def load_config(name: str, progress=print):
     seed = tiny_seed(name)
     if seed is not None:
         return tiny_model(seed).config
-    return AutoConfig.from_pretrained(resolve(name, progress))
+    return AutoConfig.from_pretrained(resolve_meta(name, progress))
 
 
 def eos_ids(name_or_model, tokenizer) -> set[int]:
@@ -162,7 +231,7 @@ def eos_ids(name_or_model, tokenizer) -> set[int]:
             gen = tiny_model(seed).generation_config
         else:
             try:
-                gen = GenerationConfig.from_pretrained(resolve(name_or_model))
+                gen = GenerationConfig.from_pretrained(resolve_meta(name_or_model))
             except OSError:
                 gen = None
     else:

@@ -3,33 +3,22 @@ row, then the check next to the logits, so that only small [B, K] tensors leave 
 
 import torch
 
-from .contracts import Drafts, Row, Verdict
+from .contracts import Drafts, ModelRunner, Row, Verdict
 from .grammar import apply_masks
-from .runner import Runner
 from .sampling import Generators, probs, speculative_row
 from .verify import entropy, greedy_check, padded, plausibility_from_logits, plausibility_from_probs
 
 
 class ModelScorer:
-    def __init__(
-        self,
-        model,
-        n_slots: int = 8,
-        tp_group=None,
-        vocab_size: int | None = None,
-        kv_budget_tokens: int | None = None,
-        topk: int = 8,
-        sample: bool = True,
-        prefix_cache: bool = False,
-    ):
-        self.runner = Runner(
-            model, n_slots=n_slots, tp_group=tp_group, budget_tokens=kv_budget_tokens, prefix_cache=prefix_cache
-        )
-        self.kv_capacity_tokens = self.runner.cache.capacity_tokens  # the engine admits within it
+    def __init__(self, runner: ModelRunner, vocab_size: int | None = None, topk: int = 8, sample: bool = True):
+        """runner: the target with its KV cache (contracts.ModelRunner: runner.Runner or
+        llama_runner.LlamaRunner)."""
+        self.runner = runner
+        self.kv_capacity_tokens = runner.cache.capacity_tokens  # the engine admits within it
         # The tokens the tokenizer knows: logits past them (padding rows of a wider head) are
         # cut, so target and drafter distributions always have the same width.
-        self.vocab_size = vocab_size or model.config.vocab_size
-        self.generators = Generators(salt=2, device=self.runner.device)  # sampling stays by the logits
+        self.vocab_size = vocab_size or runner.vocab_size
+        self.generators = Generators(salt=2, device=runner.device)  # sampling stays by the logits
         # The target's likeliest tokens at every verified position go back in the Verdict for Token
         # Recycling: ids only, [B, K+1, topk] (0: not reported). A topk over the logits already
         # computed costs far less than the forward, and the batch's ids are a few KB.

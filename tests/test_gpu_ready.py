@@ -83,7 +83,7 @@ def test_target_and_drafter_have_their_own_budgets():
 
 def test_a_drafter_budget_that_cannot_be_allocated_fails_at_start():
     with pytest.raises(RuntimeError):  # an allocation of petabytes: refused now, not at some round
-        ModelDrafter(tiny_model(1), n_slots=1, kv_budget_tokens=10**15)
+        ModelDrafter(Runner(tiny_model(1), n_slots=1, budget_tokens=10**15))
 
 
 def test_a_gpu_pool_is_allocated_whole_at_start():
@@ -220,8 +220,8 @@ def test_a_rank_whose_verdict_is_unread_does_not_sample():
 
     row = Row(key="a", tokens=[5, 6, 7, 8], k=2, temperature=1.0, seed=3)
     drafts = Drafts([[9, 10]], [torch.full((2, TINY_VOCAB_SIZE), 1.0 / TINY_VOCAB_SIZE)])
-    rank0 = ModelScorer(tiny_model(0), n_slots=1, sample=True)
-    other = ModelScorer(tiny_model(0), n_slots=1, sample=False)
+    rank0 = ModelScorer(Runner(tiny_model(0), n_slots=1), sample=True)
+    other = ModelScorer(Runner(tiny_model(0), n_slots=1), sample=False)
     v0, v1 = rank0.verify([row], drafts), other.verify([row], drafts)
     assert rank0.generators.by_key and not other.generators.by_key  # no generator, no draws
     assert v0.ok.shape == v1.ok.shape

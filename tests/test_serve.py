@@ -14,6 +14,7 @@ from fly_serve.build import build_engine
 from fly_serve.contracts import Drafts, Row
 from fly_serve.loading import load_model, load_tokenizer
 from fly_serve.model_scorer import ModelScorer
+from fly_serve.runner import Runner
 
 pytestmark = pytest.mark.serve
 
@@ -177,7 +178,7 @@ def test_tp2_target_deployment_equals_tp1(url):
     ]
     drafts = Drafts([[4, 5, 6], [7, 8]], [None, None])
     got = handle.verify.remote(rows, drafts).result()
-    ref = ModelScorer(load_model("tiny:0"), vocab_size=len(load_tokenizer("tiny:0"))).verify(rows, drafts)
+    ref = ModelScorer(Runner(load_model("tiny:0")), vocab_size=len(load_tokenizer("tiny:0"))).verify(rows, drafts)
     assert torch.equal(got.ok, ref.ok) and torch.equal(got.y, ref.y)
     assert torch.allclose(got.h, ref.h, atol=1e-5)
     handle.release.remote(["tp-a", "tp-b"]).result()

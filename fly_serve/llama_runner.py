@@ -1,0 +1,376 @@
+"""A model runtime on llama.cpp's CPU kernels: a GGUF model run as shipped (quantized weights,
+no dequantization), through llama-cpp-python's C API.
+
+It offers the scorer and the model drafter what runner.Runner offers them (contracts.ModelRunner):
+`feed` brings each row's KV cache up to its tokens in one batched `llama_decode` and returns logits
+at the positions asked for, `catch_up` prefills rows that lag, `release` forgets rows. Sampling,
+the entropy gate, the window and grammar masks stay in torch on top, reading these logits.
+
+The KV cache is llama.cpp's, one buffer for all sequences (`kv_unified`): a row is a llama.cpp
+sequence id, and the tokens it holds are remembered here, so the same content rule as kv_cache.py
+applies: keep the common prefix of what the sequence holds and what the row now is, remove the rest
+(`llama_memory_seq_rm`: rejected drafts roll back), feed what is missing. Prefix sharing: a new
+row adopts the longest prefix it shares with any sequence held (`llama_memory_seq_cp` marks the
+same cells as the new sequence's too: shared, not copied); released sequences stay as such donors
+until their room or their id is needed, least recently used first.
+"""
+
+import ctypes
+import logging
+import os
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from .kv_cache import KVCacheFull, common_prefix
+
+log = logging.getLogger("fly_serve.llama_runner")
+
+MIN_SHARED = 16  # a prefix shorter than this is fed rather than adopted (a chat template's opening)
+
+
+class LlamaCppMissing(RuntimeError):
+    """The native part (llama-cpp-python) is not importable: named, with how to get it."""
+
+
+_LIB = None
+
+
+def lib():
+    """llama-cpp-python's C API, its backend initialised once per process (its log kept to errors)."""
+    global _LIB
+    if _LIB is None:
+        try:
+            import llama_cpp
+        except Exception as e:  # an ImportError, or an OSError of a shared library that failed to load
+            raise LlamaCppMissing(
+                "runtime llama.cpp: the package llama-cpp-python is not importable "
+                f"({type(e).__name__}: {e}). It builds llama.cpp from source at `pip install -e .`, "
+                "which needs cmake, a C++17 compiler (g++) and ninja or make; install those and run "
+                "`pip install --force-reinstall --no-deps llama-cpp-python`, or use runtime torch"
+            ) from e
+        llama_cpp.llama_backend_init()
+        llama_cpp.llama_log_set(_QUIET, ctypes.c_void_p())
+        _LIB = llama_cpp
+    return _LIB
+
+
+@ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)
+def _QUIET(level, text, _):
+    if level >= 3 and level != 5:  # ggml_log_level: WARN 3, ERROR 4 (CONT 5 continues a line; INFO 2)
+        log.log(
+            logging.WARNING if level == 4 else logging.INFO,
+            "llama.cpp: %s",
+            (text or b"").decode(errors="replace").rstrip(),
+        )
+
+
+def available() -> bool:
+    try:
+        lib()
+        return True
+    except LlamaCppMissing:
+        return False
+
+
+def system_info() -> str:
+    """What llama.cpp was built for (its CPU features), for a benchmark's record."""
+    return lib().llama_print_system_info().decode()
+
+
+def amx_kernels_unsafe() -> bool:
+    """Whether llama.cpp was built with its AMX kernels and would use them here. They crashed
+    (SIGSEGV in ggml_backend_amx_mul_mat, Q4_K weights) on the Sapphire Rapids VM this was
+    developed on, though the kernel grants the AMX state, so a build with AMX keeps the weights
+    as shipped (no repacking at all: llama.cpp offers no switch for AMX alone)."""
+    return "AMX_INT8 = 1" in system_info()
+
+
+class GGUFModel:
+    """A GGUF file loaded once (memory-mapped, CPU): what a LlamaRunner's contexts run."""
+
+    def __init__(self, path: str, repack: bool | None = None):
+        """repack: let llama.cpp repack the weights for its faster CPU kernels (its "extra buffer
+        types"); None: unless its AMX kernels would take them (amx_kernels_unsafe)."""
+        L = lib()
+        params = L.llama_model_default_params()
+        params.n_gpu_layers = 0
+        params.use_extra_bufts = not amx_kernels_unsafe() if repack is None else repack
+        self.path = str(path)
+        self.ptr = L.llama_model_load_from_file(self.path.encode(), params)
+        if not self.ptr:
+            raise ValueError(f"model: llama.cpp could not load {self.path!r} as a GGUF model")
+        vocab = L.llama_model_get_vocab(self.ptr)
+        self.n_vocab = L.llama_vocab_n_tokens(vocab)
+        self.n_ctx_train = L.llama_model_n_ctx_train(self.ptr)
+
+    def __del__(self):
+        if getattr(self, "ptr", None) and _LIB is not None:
+            _LIB.llama_model_free(self.ptr)
+            self.ptr = None
+
+
+@dataclass
+class _Seq:
+    id: int  # the llama.cpp sequence id
+    tokens: list[int] = field(default_factory=list)  # what its cells hold, positions 0..len-1
+
+
+class SeqTable:
+    """Which llama.cpp sequence holds which row, and what it holds: the bookkeeping that makes
+    llama.cpp's cache follow kv_cache.py's content rule. Held rows and (with the prefix cache)
+    released donors are kept in least-recently-used order."""
+
+    def __init__(self, mem, n_ids: int, capacity_tokens: int, prefix_cache: bool):
+        self.mem, self.capacity_tokens, self.prefix_cache = mem, capacity_tokens, prefix_cache
+        self.free_ids = list(range(n_ids))
+        self.rows: OrderedDict[str, _Seq] = OrderedDict()
+        self.donors: OrderedDict[int, _Seq] = OrderedDict()  # released sequences kept for their prefix
+        self.hits: dict[str, int] = {}
+        self.hit_tokens_total = 0
+
+    # ---- what kv_cache.KVCache answers the same way
+    def valid(self, key: str, tokens: list[int]) -> int:
+        s = self.rows.get(key)
+        return 0 if s is None else common_prefix(s.tokens, tokens)
+
+    def take_hits(self, keys: list[str]) -> list[int]:
+        return [self.hits.pop(key, 0) for key in keys]
+
+    def tokens_held(self, key: str) -> int:
+        s = self.rows.get(key)
+        return 0 if s is None else len(s.tokens)
+
+    # ---- the content rule
+    def plan(self, keys: list[str], tokens: list[list[int]], limits, protect=()) -> list[tuple[_Seq, int]]:
+        """[(seq, start)] per row: its cells hold tokens[:start] (the rest removed), the caller feeds
+        the rest. At least the last token is fed, and never is start past the row's limit."""
+        if len(set(keys)) != len(keys):
+            raise ValueError(f"a key appears twice in one call: {keys}")
+        if not all(tokens):
+            raise ValueError("every row needs at least one token")
+        busy = set(keys) | set(protect)
+        plans = []
+        for key, toks, limit in zip(keys, tokens, limits or [None] * len(keys)):
+            cap = len(toks) - 1 if limit is None else min(len(toks) - 1, limit)
+            s = self.rows.get(key)
+            if s is None:
+                s = self.rows[key] = _Seq(self._take_id(busy))
+                self._adopt(key, s, toks, cap)
+            self.rows.move_to_end(key)
+            start = min(common_prefix(s.tokens, toks), cap)
+            self.cut(s, start)
+            plans.append((s, start))
+        return plans
+
+    def cut(self, s: _Seq, n: int) -> None:
+        """Keep only the first n tokens of sequence s."""
+        if n < len(s.tokens):
+            lib().llama_memory_seq_rm(self.mem, s.id, n, -1)
+            del s.tokens[n:]
+
+    def _adopt(self, key: str, s: _Seq, toks: list[int], cap: int) -> None:
+        """A new row takes the longest prefix any held sequence shares with it (prefix cache)."""
+        if not self.prefix_cache:
+            return
+        best, n = None, 0
+        for other in list(self.rows.values()) + list(self.donors.values()):
+            if other is not s:
+                m = min(common_prefix(other.tokens, toks), cap)
+                if m > n:
+                    best, n = other, m
+        if best is None or n < MIN_SHARED:
+            return
+        lib().llama_memory_seq_cp(self.mem, best.id, s.id, 0, n)
+        s.tokens = list(toks[:n])
+        self.hits[key] = self.hits.get(key, 0) + n
+        self.hit_tokens_total += n
+        if best.id in self.donors:
+            self.donors.move_to_end(best.id)
+
+    def _take_id(self, busy: set) -> int:
+        if not self.free_ids and not self.evict_one(busy):
+            raise KVCacheFull("<new sequence>", 1, 0)
+        return self.free_ids.pop()
+
+    def evict_one(self, busy: set) -> bool:
+        """Free the least recently used donor, else idle row; False if every sequence is busy."""
+        if self.donors:
+            _, s = self.donors.popitem(last=False)
+            self._forget(s)
+            return True
+        for key in self.rows:
+            if key not in busy:
+                self._forget(self.rows.pop(key))
+                return True
+        return False
+
+    def release(self, keys) -> None:
+        for key in keys:
+            s = self.rows.pop(key, None)
+            self.hits.pop(key, None)
+            if s is None:
+                continue
+            if self.prefix_cache and len(s.tokens) >= MIN_SHARED:
+                self.donors[s.id] = s
+            else:
+                self._forget(s)
+
+    def _forget(self, s: _Seq) -> None:
+        lib().llama_memory_seq_rm(self.mem, s.id, -1, -1)
+        s.tokens = []
+        self.free_ids.append(s.id)
+
+
+class _Batch:
+    """A llama_batch over numpy arrays of n tokens at most (one sequence id a token)."""
+
+    def __init__(self, n: int):
+        L = lib()
+        self.token = np.zeros(n, np.int32)
+        self.pos = np.zeros(n, np.int32)
+        self.n_seq_id = np.ones(n, np.int32)
+        self.seq = np.zeros(n, np.int32)
+        self.logits = np.zeros(n, np.int8)
+        ptr = ctypes.POINTER(ctypes.c_int32)
+        self.seq_ptrs = (ptr * n)(*[ctypes.cast(self.seq.ctypes.data + 4 * i, ptr) for i in range(n)])
+        self.c = L.llama_batch()
+        self.c.token = self.token.ctypes.data_as(ptr)
+        self.c.embd = ctypes.POINTER(ctypes.c_float)()
+        self.c.pos = self.pos.ctypes.data_as(ptr)
+        self.c.n_seq_id = self.n_seq_id.ctypes.data_as(ptr)
+        self.c.seq_id = ctypes.cast(self.seq_ptrs, ctypes.POINTER(ptr))
+        self.c.logits = self.logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
+
+
+def default_threads() -> int:
+    """This process's cores: what Ray gave it (its affinity) or the machine's."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+class LlamaRunner:
+    """contexts of one GGUFModel, with runner.Runner's surface (module docstring)."""
+
+    device = torch.device("cpu")
+    graphs = None  # nothing is captured (engine.set_draft_ahead turns graphs off on parts it shares)
+    fold = False
+
+    def __init__(
+        self,
+        model: GGUFModel,
+        n_slots: int = 8,
+        budget_tokens: int | None = None,
+        prefix_cache: bool = False,
+        threads: int = 0,
+        batch_tokens: int = 512,
+    ):
+        L = lib()
+        self.model = model
+        self.vocab_size = model.n_vocab
+        capacity = budget_tokens or n_slots * 4096
+        params = L.llama_context_default_params()
+        params.n_ctx = capacity
+        params.n_batch = params.n_ubatch = batch_tokens
+        # donors need ids of their own beside the rows held (prefix cache)
+        params.n_seq_max = min(2 * n_slots if prefix_cache else n_slots, 256)
+        params.kv_unified = True  # one pool: rows of any lengths in one forward, prefixes shared
+        params.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_ENABLED  # skips the other rows' masked cells
+        params.no_perf = True
+        self.threads = threads or default_threads()
+        params.n_threads = params.n_threads_batch = self.threads
+        self.ctx = L.llama_init_from_model(model.ptr, params)
+        if not self.ctx:
+            raise RuntimeError(f"llama.cpp could not create a context of {capacity} tokens for {model.path}")
+        self.batch_tokens = batch_tokens
+        self.batch = _Batch(batch_tokens)
+        self.cache = SeqTable(L.llama_get_memory(self.ctx), params.n_seq_max, capacity, prefix_cache)
+
+    def set_threads(self, n: int) -> None:
+        self.threads = n
+        lib().llama_set_n_threads(self.ctx, n, n)
+
+    def __del__(self):
+        if getattr(self, "ctx", None) and _LIB is not None:
+            _LIB.llama_free(self.ctx)
+            self.ctx = None
+
+    def feed(self, keys: list[str], tokens: list[list[int]], tail: list[int] | None = None, logits=True, protect=()):
+        """runner.Runner.feed: bring each row's cache up to its tokens; returns (logits, fed).
+        Without `tail`, logits [B, max(fed), V] of every fed position (right-padded); with it,
+        logits [B, max(tail), V] of each row's last tail[b] tokens (left-aligned), fed even if
+        cached; logits False: None. Padding positions hold zeros. Raises KVCacheFull when the
+        tokens do not fit after evicting idle sequences (what this call fed is then removed)."""
+        limits = None if tail is None else [len(t) - n for t, n in zip(tokens, tail)]
+        plans = self.cache.plan(keys, tokens, limits, protect)
+        fed = [len(toks) - start for (_, start), toks in zip(plans, tokens)]
+        if not logits:
+            want = [0] * len(keys)
+        else:
+            want = fed if tail is None else tail
+        try:
+            out = self._decode(plans, tokens, want, set(keys) | set(protect))
+        except BaseException:
+            for s, start in plans:  # nothing half-written stays: each row holds its valid prefix
+                self.cache.cut(s, start)
+            raise
+        for (s, start), toks in zip(plans, tokens):
+            s.tokens.extend(toks[start:])
+        return out, fed
+
+    def _decode(self, plans, tokens, want: list[int], busy: set) -> torch.Tensor | None:
+        """Every row's fed tokens, in order, in llama_decode calls of batch_tokens at most; the
+        logits of the last want[b] tokens of each row, [B, max(want), V] (None if none is wanted)."""
+        fed = [len(toks) - start for (_, start), toks in zip(plans, tokens)]
+        rows = np.repeat(np.arange(len(plans)), fed)  # [N]: the row of each fed token
+        pos = np.concatenate([np.arange(start, len(toks), dtype=np.int32) for (_, start), toks in zip(plans, tokens)])
+        ids = np.concatenate([np.asarray(toks[start:], np.int32) for (_, start), toks in zip(plans, tokens)])
+        seqs = np.repeat([s.id for s, _ in plans], fed).astype(np.int32)
+        first = np.array([len(toks) - w for toks, w in zip(tokens, want)])[rows]  # first wanted position
+        wanted, slot = pos >= first, pos - first  # [N]; slot: where a wanted token's logits go in out
+        out = torch.zeros(len(plans), max(want), self.vocab_size) if max(want) > 0 else None
+        for lo in range(0, len(ids), self.batch_tokens):
+            hi = min(lo + self.batch_tokens, len(ids))
+            n = hi - lo
+            self.batch.token[:n], self.batch.pos[:n], self.batch.seq[:n] = ids[lo:hi], pos[lo:hi], seqs[lo:hi]
+            self.batch.logits[:n] = wanted[lo:hi]
+            self.batch.c.n_tokens = n
+            self._decode_chunk(busy)
+            got = np.nonzero(wanted[lo:hi])[0] + lo
+            if out is not None and len(got):
+                ptr = lib().llama_get_logits(self.ctx)  # [outputs of this call, V], in batch order
+                out[torch.from_numpy(rows[got]), torch.from_numpy(slot[got])] = torch.from_numpy(
+                    np.ctypeslib.as_array(ptr, shape=(len(got), self.vocab_size))
+                )
+        return out
+
+    def _decode_chunk(self, busy: set) -> None:
+        L = lib()
+        while True:
+            rc = L.llama_decode(self.ctx, self.batch.c)
+            if rc == 0:
+                return
+            if rc == 1 and self.cache.evict_one(busy):
+                continue  # no room for the batch: an idle sequence gave its cells, try again
+            if rc == 1:
+                raise KVCacheFull("<batch>", self.batch.c.n_tokens, 0)
+            raise RuntimeError(f"llama_decode failed ({rc}) on a batch of {self.batch.c.n_tokens} tokens")
+
+    def catch_up(self, keys: list[str], tokens: list[list[int]], max_lag: int = 1) -> None:
+        """runner.Runner.catch_up: rows lagging more than max_lag tokens prefill now, apart from the
+        round's forward, together (one decode: llama.cpp pads nothing); the round's rows are protected."""
+        behind = [
+            b for b, (key, toks) in enumerate(zip(keys, tokens)) if len(toks) - self.cache.valid(key, toks) > max_lag
+        ]
+        # With the prefix cache the first goes alone, so the others adopt the prefix it shares
+        # with them (a chat template's system prompt) rather than each computing its own.
+        parts = [behind[:1], behind[1:]] if self.cache.prefix_cache else [behind]
+        for part in filter(None, parts):
+            self.feed([keys[b] for b in part], [tokens[b][:-1] for b in part], logits=False, protect=keys)
+
+    def release(self, keys) -> None:
+        self.cache.release(keys)

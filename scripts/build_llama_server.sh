@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# llama.cpp's llama-server and llama-bench, built from the very source the installed
+# llama-cpp-python was built from (its sdist vendors llama.cpp), so the peer in `fly-serve bench`
+# and `python -m loadtest.load_sweep --peer llama-server` runs the same kernels as fly-serve's
+# llama.cpp runtime. About 10 minutes on 2 cores; prints the llama-server path.
+#
+#   scripts/build_llama_server.sh            # into ~/.cache/fly-serve/llama.cpp-<version>
+#   scripts/build_llama_server.sh DIR        # into DIR
+#
+# fly_bench/llama_server.py finds it there (or at $FLY_LLAMA_SERVER).
+set -euo pipefail
+VERSION=$(python -c "import importlib.metadata as m; print(m.version('llama-cpp-python'))")
+DEST=${1:-${FLY_SERVE_CACHE:-$HOME/.cache/fly-serve}/llama.cpp-$VERSION}
+if [[ ! -d "$DEST/src" ]]; then
+  tmp=$(mktemp -d)
+  trap 'rm -rf "$tmp"' EXIT
+  pip download --quiet --no-deps --no-binary :all: "llama-cpp-python==$VERSION" -d "$tmp"
+  tar -xzf "$tmp"/llama_cpp_python-*.tar.gz -C "$tmp"
+  mkdir -p "$DEST"
+  mv "$tmp"/llama_cpp_python-*/vendor/llama.cpp "$DEST/src"
+fi
+generator=()
+command -v ninja >/dev/null && generator=(-G Ninja)
+cmake -S "$DEST/src" -B "$DEST/src/build" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release \
+  -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF >/dev/null
+cmake --build "$DEST/src/build" -j"$(nproc)" --target llama-server llama-bench >/dev/null
+echo "$DEST/src/build/bin/llama-server"

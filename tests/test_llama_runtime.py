@@ -1,0 +1,199 @@
+"""The llama.cpp runtime (fly_serve/llama_runner.py) on a tiny random model written as GGUF: its
+logits against the torch model's, the KV cache's content rule (rollback, catch-up, prefix
+sharing, eviction, a full cache), and the engine on top of it (spd and strict FLy give the
+runtime's own plain greedy text)."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from fly_serve.build import build_engine
+from fly_serve.kv_cache import KVCacheFull
+from fly_serve.llama_runner import LlamaRunner
+from fly_serve.loading import load_model, resolve_runtime
+from fly_serve.tiny import tiny_model, tiny_tokenizer
+from fly_serve.weights import DEFAULT_TARGET
+
+TOL = 2e-3  # llama.cpp keeps K and V in f16; the torch model computes them in fp32
+
+
+@pytest.fixture(scope="module")
+def gguf():
+    return load_model("tiny:0", runtime="llama.cpp")
+
+
+def runner(gguf, **kw) -> LlamaRunner:
+    return LlamaRunner(gguf, **{"n_slots": 4, "budget_tokens": 1024, "threads": 1, **kw})
+
+
+def torch_logits(tokens: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return tiny_model(0)(torch.tensor([tokens])).logits[0]
+
+
+SEQ = [5, 77, 100, 12, 40, 41, 42, 200, 3, 9, 250, 17]
+
+
+def test_logits_at_every_fed_position_match_the_torch_model(gguf):
+    r = runner(gguf)
+    logits, fed = r.feed(["a"], [SEQ])
+    assert fed == [len(SEQ)] and logits.shape == (1, len(SEQ), gguf.n_vocab)
+    assert torch.allclose(logits[0], torch_logits(SEQ), atol=TOL)
+
+
+def test_rows_of_different_lengths_in_one_forward_each_get_their_own_logits(gguf):
+    r = runner(gguf)
+    rows = [SEQ, SEQ[:5], [7, 8, 9, 10, 11, 12, 13]]
+    logits, fed = r.feed(["a", "b", "c"], rows)
+    assert fed == [12, 5, 7] and logits.shape[1] == 12
+    for b, toks in enumerate(rows):
+        assert torch.allclose(logits[b, : len(toks)], torch_logits(toks), atol=TOL)
+        assert (logits[b, len(toks) :] == 0).all()  # right padding holds zeros
+
+
+def test_tail_gives_each_rows_last_positions_left_aligned_and_feeds_them_again(gguf):
+    r = runner(gguf)
+    r.feed(["a"], [SEQ])  # all cached
+    logits, fed = r.feed(["a"], [SEQ], tail=[3])
+    assert fed == [3] and logits.shape == (1, 3, gguf.n_vocab)
+    assert torch.allclose(logits[0], torch_logits(SEQ)[-3:], atol=TOL)
+
+
+def test_rejected_drafts_roll_back_and_the_row_continues_as_if_never_fed(gguf):
+    r = runner(gguf)
+    r.feed(["a"], [SEQ + [1, 2, 3]], tail=[4])  # a verify of three drafts
+    assert r.cache.valid("a", SEQ + [1, 2, 3]) == len(SEQ) + 3
+    other = SEQ + [1, 99]  # the second draft was rejected: 99 recovered
+    assert r.cache.valid("a", other) == len(SEQ) + 1
+    logits, fed = r.feed(["a"], [other + [4]], tail=[2])
+    assert fed == [2]
+    assert r.cache.tokens_held("a") == len(other) + 1
+    assert torch.allclose(logits[0], torch_logits(other + [4])[-2:], atol=TOL)
+
+
+def test_catch_up_prefills_only_rows_that_lag(gguf):
+    r = runner(gguf)
+    r.feed(["a"], [SEQ[:11]])
+    r.catch_up(["a", "b"], [SEQ, SEQ[:6]])
+    assert r.cache.tokens_held("a") == 11  # a lag of one rides in the round's own forward
+    assert r.cache.tokens_held("b") == 5  # all but the last token, whose logits the round wants
+
+
+def test_a_prompt_longer_than_one_batch_is_fed_in_order_in_several_decodes(gguf):
+    r = runner(gguf, batch_tokens=5)
+    rows = [SEQ, SEQ[::-1]]
+    logits, _ = r.feed(["a", "b"], rows)
+    for b, toks in enumerate(rows):
+        assert torch.allclose(logits[b, : len(toks)], torch_logits(toks), atol=TOL)
+
+
+def test_a_new_row_adopts_the_prefix_a_released_row_shares_with_it(gguf):
+    prompt = list(range(20, 60))  # longer than llama_runner.MIN_SHARED
+    r = runner(gguf, prefix_cache=True)
+    r.feed(["a"], [prompt + [1, 2]])
+    r.release(["a"])
+    logits, fed = r.feed(["b"], [prompt + [7, 8]])
+    assert fed == [2] and r.cache.take_hits(["b"]) == [len(prompt)]
+    assert torch.allclose(logits[0, :2], torch_logits(prompt + [7, 8])[-2:], atol=TOL)
+    plain = runner(gguf, prefix_cache=False)
+    plain.feed(["a"], [prompt + [1, 2]])
+    plain.release(["a"])
+    _, fed = plain.feed(["b"], [prompt + [7, 8]])
+    assert fed == [len(prompt) + 2] and plain.cache.take_hits(["b"]) == [0]
+
+
+def test_two_rows_share_a_prefix_and_each_rolls_back_alone(gguf):
+    prompt = list(range(30, 60))
+    r = runner(gguf, prefix_cache=True)
+    r.feed(["a"], [prompt + [1]])
+    r.feed(["b"], [prompt + [2]])  # adopts the prompt from a
+    r.feed(["a"], [prompt[:10] + [5, 6]])  # a drops most of the shared cells
+    logits, fed = r.feed(["b"], [prompt + [2, 3]], tail=[1])
+    assert fed == [1]
+    assert torch.allclose(logits[0, 0], torch_logits(prompt + [2, 3])[-1], atol=TOL)
+
+
+def test_idle_rows_are_evicted_for_new_ones_and_busy_rows_never_are(gguf):
+    r = runner(gguf, n_slots=2)
+    r.feed(["a"], [SEQ])
+    r.feed(["b"], [SEQ[:4]])
+    r.feed(["c"], [SEQ[:6]], protect=["b"])  # no free id: a, idle and not protected, goes
+    assert r.cache.tokens_held("a") == 0 and r.cache.tokens_held("b") == 4
+    with pytest.raises(KVCacheFull):
+        r.feed(["d"], [SEQ], protect=["b", "c"])
+    assert r.cache.tokens_held("b") == 4 and r.cache.tokens_held("c") == 6
+
+
+def test_a_full_cache_raises_and_leaves_each_row_its_valid_prefix(gguf):
+    r = runner(gguf, n_slots=2, budget_tokens=256)
+    r.feed(["a"], [list(range(200))])
+    with pytest.raises(KVCacheFull):
+        r.feed(["a", "b"], [list(range(200)), list(range(100, 220))], protect=["a"])
+    assert r.cache.tokens_held("a") == 199  # its last token is always fed again
+    assert r.cache.tokens_held("b") == 0
+    logits, _ = r.feed(["a"], [list(range(201))], tail=[1])  # and it still continues correctly
+    assert torch.allclose(logits[0, 0], torch_logits(list(range(201)))[-1], atol=TOL)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return build_engine(
+        "tiny:0", "tiny:1", runtime="llama.cpp", max_batch=4, max_model_len=512, progress=lambda _: None
+    )
+
+
+PROMPTS = ["def fib(n):", "hello world, this is", "import numpy as np\n", "SELECT *"]
+
+
+def test_the_engine_runs_both_models_on_llama_cpp(engine):
+    assert isinstance(engine.scorer.runner, LlamaRunner)
+    assert isinstance(engine.drafters["model"].runner, LlamaRunner)
+
+
+@pytest.mark.parametrize("mode", ["spd", "fly", "pld", "suffix", "recycle"])
+def test_greedy_speculation_gives_the_runtimes_own_plain_text(engine, mode):
+    params = {"max_tokens": 48, "temperature": 0, "k": 5}
+    ar = engine.generate(PROMPTS, {**params, "mode": "ar"})
+    # strict FLy (theta 1): every mismatch rejected, so the text is the target's
+    spec = engine.generate(PROMPTS, {**params, "mode": mode, "theta": 1.0})
+    assert [r.generated for r in spec] == [r.generated for r in ar]
+    assert sum(r.stats.emitted for r in spec) == sum(r.stats.emitted for r in ar)
+
+
+def test_sampling_with_a_seed_repeats_on_llama_cpp(engine):
+    params = {"mode": "spd", "max_tokens": 32, "temperature": 1.0, "seed": 7, "k": 4}
+    first, second = (engine.generate(PROMPTS[:2], params) for _ in range(2))
+    assert [r.generated for r in first] == [r.generated for r in second]
+
+
+def test_auto_runs_gguf_models_on_llama_cpp_on_a_cpu_and_the_rest_on_torch():
+    assert resolve_runtime("auto", DEFAULT_TARGET) == "llama.cpp"
+    assert resolve_runtime("auto", "tiny:0") == "torch"
+    assert resolve_runtime("auto", DEFAULT_TARGET, world=2) == "torch"
+    assert resolve_runtime("auto", tiny_model(0)) == "torch"  # an already loaded model
+    assert resolve_runtime("llama.cpp", "tiny:0") == "llama.cpp"
+    with pytest.raises(ValueError, match="tensor parallelism"):
+        resolve_runtime("llama.cpp", DEFAULT_TARGET, world=2)
+    with pytest.raises(ValueError, match="runtime: must be one of"):
+        resolve_runtime("vllm", DEFAULT_TARGET)
+
+
+def test_without_the_native_part_auto_says_why_and_runs_torch_and_llama_cpp_fails_naming_it():
+    """llama-cpp-python made unimportable in a child process (as a failed build leaves it)."""
+    code = (
+        "import sys; sys.modules['llama_cpp'] = None\n"
+        "from fly_serve.loading import resolve_runtime\n"
+        "from fly_serve.weights import DEFAULT_TARGET\n"
+        "print('auto ->', resolve_runtime('auto', DEFAULT_TARGET))\n"
+        "resolve_runtime('llama.cpp', DEFAULT_TARGET)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode != 0
+    assert "auto -> torch" in out.stdout and "runtime auto: torch, since" in out.stdout
+    assert "LlamaCppMissing" in out.stderr and "llama-cpp-python" in out.stderr and "cmake" in out.stderr
+
+
+def test_the_tiny_gguf_uses_the_tiny_tokenizers_ids(gguf):
+    assert gguf.n_vocab == len(tiny_tokenizer())
