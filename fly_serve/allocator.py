@@ -26,6 +26,9 @@ class RowInfo:
     acceptance: float | None = None  # None: the policy's tracker fills it
     tokens_per_forward: float | None = None  # drafts per drafter forward; None: tracker / 1
     fixed: bool = False  # k is k_max (a request with a fixed k); the others adapt around it
+    # A model row's alternative this round: the drafts its model-free sources propose (no
+    # drafter forward); 0: none (speculation_policy.choose weighs them against the model's)
+    free_k: int = 0
 
     def __post_init__(self):
         if self.drafter not in KINDS:

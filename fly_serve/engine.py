@@ -37,7 +37,7 @@ from .grammar import Grammars, Matcher
 from .params import ParamError, Params
 from .request_stats import RequestStats
 from .round_cost import MODEL, NONE, PLD, RECYCLE, SUFFIX, CostProfile
-from .speculation_policy import SpeculationPolicy
+from .speculation_policy import SpeculationPolicy, free_key
 from .suffix_index import SuffixIndex
 from .token_recycling import TokenRecycling
 from .verify import decide, plausible_mask, window_positions
@@ -309,9 +309,9 @@ class Engine:
         drafter drafts the next round (_verify); after the commit the bets are settled (_settle)."""
         rows = [self._row(r) for r in batch]
         held = self._held(batch, rows)
-        self._choose_ks(batch, rows, held)
+        free = self._choose_ks(batch, rows, held)
         t0 = time.perf_counter()
-        drafts, fallback = self._draft(batch, rows, held)
+        drafts, fallback = self._draft(batch, rows, held, free)
         t1 = time.perf_counter()
         verdict, made, result = self._verify(batch, rows, drafts, fallback)
         t2 = time.perf_counter()
@@ -344,10 +344,10 @@ class Engine:
             result.prefix_hit_tokens += hit
             result.draft_prefix_hit_tokens += draft_hit
         self.policy.record(
-            [r.key for r in rows],
+            [free_key(r.key) if b in free else r.key for b, r in enumerate(rows)],
             [len(d) for d in drafts.tokens],
             a_list,
-            kinds=[POLICY_KINDS[req.params.mode_spec.drafter] for req in batch],
+            kinds=[PLD if b in free else POLICY_KINDS[req.params.mode_spec.drafter] for b, req in enumerate(batch)],
             draft_s=t1 - t0,
             verify_s=result.verify_s,
             forwards=drafts.forwards,
@@ -449,21 +449,42 @@ class Engine:
                 req.stats.ahead_misses += 1
                 req.stats.ahead_dropped += len(ahead.drafts)
 
-    def _choose_ks(self, batch: list[Request], rows: list[Row], held: list[Ahead | None]) -> None:
+    def _choose_ks(self, batch: list[Request], rows: list[Row], held: list[Ahead | None]) -> dict[int, list[int]]:
         """k "auto" rows get this round's k from the policy, which weighs every row's expected
         tokens against the round's predicted seconds; fixed-k rows, and rows whose drafts were
-        made ahead, share the round as they are."""
+        made ahead, share the round as they are. A model row may instead draft what its
+        model-free sources propose (no drafter forward) where the policy predicts that faster:
+        returns those rows' drafts, by row index."""
         if not any(r.params.auto_k for r in batch):
-            return
+            return {}
         fixed = [not req.params.auto_k or h is not None for req, h in zip(batch, held)]
+        offers = {
+            b: self._free_offer(row)
+            for b, (req, row, f) in enumerate(zip(batch, rows, fixed))
+            if not f and req.params.mode_spec.drafter == "model" and row.mla and row.k > 0
+        }
         infos = [
-            RowInfo(row.key, row.k, POLICY_KINDS[req.params.mode_spec.drafter], fixed=f)
-            for req, row, f in zip(batch, rows, fixed)
+            RowInfo(row.key, row.k, POLICY_KINDS[req.params.mode_spec.drafter], fixed=f, free_k=len(offers.get(b, [])))
+            for b, (req, row, f) in enumerate(zip(batch, rows, fixed))
         ]
         ks = self.policy.choose(infos)
-        for row, k, f in zip(rows, ks, fixed):
-            if not f:
-                row.k, row.min_confidence = k, self.policy.min_confidence(row.key)
+        free = {}
+        for b, (row, k, f) in enumerate(zip(rows, ks, fixed)):
+            if f:
+                continue
+            row.k, row.min_confidence = k, self.policy.min_confidence(row.key)
+            if self.policy.free[b] and k > 0:
+                free[b] = offers[b][:k]
+        return free
+
+    def _free_offer(self, row: Row) -> list[int]:
+        """Up to row.k drafts from the row's first MLA source that proposes any (drafters.py)."""
+        sources = {"pld": self.drafters["lookup"].source, "suffix": self.suffix_index, "recycle": self.recycler}
+        for name in row.mla_sources:
+            got = sources[name].propose(row.tokens, row.k)
+            if got:
+                return got
+        return []
 
     def _row(self, req: Request) -> Row:
         p = req.params
@@ -494,7 +515,9 @@ class Engine:
         _, per_forward, per_row = self.policy.cost.draft_coefficients
         return float(per_row / per_forward) if per_forward > 0 else None
 
-    def _draft(self, batch: list[Request], rows: list[Row], held: list[Ahead | None]) -> tuple[Drafts, bool]:
+    def _draft(
+        self, batch: list[Request], rows: list[Row], held: list[Ahead | None], free: dict[int, list[int]]
+    ) -> tuple[Drafts, bool]:
         """Drafts for every row, and whether the model drafter failed this round. Its compute
         seconds, where a remote drafter reports them, ride along (Drafts.compute_s). A failed
         drafter's rows get prompt-lookup drafts (exact at any temperature: a one-hot q), and the
@@ -502,7 +525,9 @@ class Engine:
         drafts, fallback = Drafts.empty(len(rows)), False
         for kind, drafter in self.drafters.items():
             idx = [
-                b for b, r in enumerate(batch) if r.params.mode_spec.drafter == kind and rows[b].k and held[b] is None
+                b
+                for b, r in enumerate(batch)
+                if r.params.mode_spec.drafter == kind and rows[b].k and held[b] is None and b not in free
             ]
             if not idx:
                 continue
@@ -523,6 +548,8 @@ class Engine:
                 drafts.forwards, drafts.compute_s = got.forwards, got.compute_s
                 drafts.prefix_hit_tokens = _spread(drafts.prefix_hit_tokens, len(rows), idx, got.prefix_hit_tokens)
                 drafts.row_forwards = _spread(drafts.row_forwards, len(rows), idx, got.row_forwards)
+        for b, d in free.items():  # proposed by the row's model-free sources (_choose_ks): q one-hot
+            drafts.tokens[b] = d
         ahead = [b for b, a in enumerate(held) if a is not None]  # made while the last round was verified
         for b in ahead:
             drafts.tokens[b], drafts.q[b] = held[b].drafts, held[b].q

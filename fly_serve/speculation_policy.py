@@ -50,10 +50,16 @@ import math
 from .acceptance import AcceptanceTracker
 from .allocator import Plan, RowInfo, min_confidence_for, plan
 from .cost_check import CostCheck, point_of
-from .round_cost import MODEL, NONE, CostProfile, RoundCostModel
+from .round_cost import MODEL, NONE, PLD, CostProfile, RoundCostModel
 from .under_load import UnderLoad
 
 log = logging.getLogger("fly_serve.speculation_policy")
+
+
+def free_key(key: str) -> str:
+    """Where a model row's free drafts (RowInfo.free_k) keep their acceptance, apart from its
+    model drafts: a prompt lookup is kept far more or less often than the drafter's guess."""
+    return key + "\x00free"
 
 
 class SpeculationPolicy:
@@ -84,6 +90,7 @@ class SpeculationPolicy:
         self.width_steps = 0  # rounds whose width was stepped since the start (the service's stats)
         self.frozen = False  # True: the cost check is off (a profile measured here, or corrected once)
         self.last: Plan | None = None  # the plan of the round last chosen (before probes)
+        self.free: list[bool] = []  # per row of the round last chosen: it drafts from its free sources
         self._idle: dict[str, int] = {}  # rounds in a row the plan left each row at k = 0
         self._probing: set[str] = set()  # rows probed in the round last chosen
         self._batch_quiet = 0  # rounds of 2+ rows since a batch that planned no drafts probed
@@ -122,12 +129,36 @@ class SpeculationPolicy:
                 tracker.estimate(r.key) if r.acceptance is None else r.acceptance,
                 r.tokens_per_forward or tracker.tokens_per_forward(r.key),
                 r.fixed,
+                r.free_k,
             )
             for r in rows
         ]
         cost = self.cost_for(len(rows))
-        self.last = plan(rows, cost, overlap=self.overlap)
+        self.last, rows, self.free = self._best_sources(rows, cost)
         return self._probe(rows, self._step_width(rows, list(self.last.ks), cost))
+
+    def _best_sources(self, rows: list[RowInfo], cost: RoundCostModel) -> tuple[Plan, list[RowInfo], list[bool]]:
+        """The plan of the round, with each model row drafting by the draft model or, where that is
+        predicted faster, from what its model-free sources propose (RowInfo.free_k: no drafter
+        forward, only the verification to pay). Three candidates: every such row by the model,
+        every one free, and free only the rows the model plan leaves at k = 0; the best rate wins.
+        A free row's acceptance is tracked apart from its model drafts (free_key)."""
+        free = [False] * len(rows)
+        best = plan(rows, cost, overlap=self.overlap)
+        if not any(r.free_k > 0 and not r.fixed for r in rows):
+            return best, rows, free
+        chosen, model_ks = rows, best.ks
+        for only_idle in (False, True):
+            use = [r.free_k > 0 and not r.fixed and (not only_idle or model_ks[b] == 0) for b, r in enumerate(rows)]
+            alt = [self._as_free(r) if u else r for r, u in zip(rows, use)]
+            p = plan(alt, cost, overlap=self.overlap)
+            if p.rate > best.rate * (1 + 1e-9):
+                best, chosen, free = p, alt, use
+        return best, chosen, free
+
+    def _as_free(self, r: RowInfo) -> RowInfo:
+        key = free_key(r.key)
+        return RowInfo(key, r.free_k, PLD, self.tracker.estimate(key), 1.0, fixed=False)
 
     def cost_for(self, n_rows: int) -> RoundCostModel:
         """The model a round of n_rows is planned from: the frozen one for a row alone, UnderLoad's
@@ -234,5 +265,7 @@ class SpeculationPolicy:
     def release(self, keys):
         for key in keys:
             self.tracker.forget(key)
-            self._idle.pop(key, None)
-            self._probing.discard(key)
+            self.tracker.forget(free_key(key))
+            for k in (key, free_key(key)):
+                self._idle.pop(k, None)
+                self._probing.discard(k)

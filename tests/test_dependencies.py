@@ -22,7 +22,7 @@ SKIP_DIRS = {".venv", "build", "dist", ".git", "__pycache__", ".pytest_cache"}
 # The extras each top-level folder may import from, beyond the core dependencies. Data packages
 # that `fly-serve bench` reads without importing (find_spec only) are not imports.
 EXTRAS_OF = {
-    "fly_serve": ["models"],  # weights.py assembles the default pair (gguf, accelerate), lazily
+    "fly_serve": ["models"],  # weights.py assembles the default pair (gguf, accelerate); llama_runner.py, lazily
     "deployments": [],
     "fly_cli": ["models"],
     "fly_bench": ["models", "bench"],

@@ -14,7 +14,7 @@ from fly_serve.allocator import RowInfo, allocate, min_confidence_for, plan
 from fly_serve.cost_calibration import batch_shapes, verify_points
 from fly_serve.cost_check import CostCheck, point_of
 from fly_serve.round_cost import MODEL, NONE, PLD, BatchVerify, CostProfile, RoundCostModel
-from fly_serve.speculation_policy import SpeculationPolicy
+from fly_serve.speculation_policy import SpeculationPolicy, free_key
 from fly_serve.under_load import UnderLoad, width_price
 
 
@@ -887,3 +887,57 @@ def test_the_engine_reports_each_rows_drafter_forwards(tiny_pair):
     engine.step()
     ev = engine.policy.tracker.rows[req.id]
     assert ev.forwards >= 1 and ev.drafted == 4
+
+
+# ---- a model row drafting from its free sources instead (RowInfo.free_k)
+def test_where_the_drafter_costs_too_much_a_model_row_drafts_its_free_proposal():
+    """A drafter forward at 0.6 of a plain step (llama.cpp's 0.5B beside its 1.5B on a CPU) never
+    pays; a lookup proposal that costs only its verification does."""
+    policy = SpeculationPolicy(cost_model(0.035, per_token=0.008, per_forward=0.02))
+    policy.tracker.observe(free_key("r"), drafted=6, kept=6)
+    ks = policy.choose([RowInfo("r", 8, MODEL, acceptance=0.6, free_k=6)])
+    assert policy.free == [True] and 0 < ks[0] <= 6
+    cheap = SpeculationPolicy(cost_model(0.035, per_token=0.008, per_forward=0.0005))
+    cheap.tracker.observe(free_key("r"), drafted=6, kept=1)  # the lookups rarely hold
+    ks = cheap.choose([RowInfo("r", 8, MODEL, acceptance=0.9, free_k=6)])
+    assert cheap.free == [False] and ks[0] > 0  # the drafter is cheap and right: it drafts
+
+
+def test_without_a_free_proposal_or_with_a_fixed_k_the_model_plan_stands():
+    policy = SpeculationPolicy(cost_model(0.035, per_token=0.008, per_forward=0.02))
+    assert policy.choose([RowInfo("r", 8, MODEL, acceptance=0.6)]) == [0] and policy.free == [False]
+    policy.choose([RowInfo("r", 4, MODEL, acceptance=0.6, fixed=True, free_k=6)])
+    assert policy.free == [False]
+
+
+def test_in_a_batch_only_the_rows_the_model_plan_idles_may_draft_free():
+    """Three candidates: all by the model, all free, free where the model plan says k = 0."""
+    policy = SpeculationPolicy(cost_model(0.05, per_token=0.004, per_forward=0.004))
+    policy.tracker.observe(free_key("b"), drafted=4, kept=4)
+    policy.tracker.observe(free_key("a"), drafted=4, kept=0)
+    rows = [RowInfo("a", 8, MODEL, acceptance=0.95, free_k=4), RowInfo("b", 8, MODEL, acceptance=0.05, free_k=4)]
+    policy.choose(rows)
+    assert policy.free == [False, True]
+
+
+def test_free_acceptance_is_kept_apart_and_released_with_the_row():
+    policy = SpeculationPolicy(cost_model(0.035, per_token=0.008, per_forward=0.02))
+    policy.record([free_key("r")], [5], [5], kinds=[PLD], draft_s=0.0, verify_s=0.05)
+    assert policy.tracker.estimate(free_key("r")) > policy.tracker.estimate("r") == policy.tracker.prior
+    policy.release(["r"])
+    assert free_key("r") not in policy.tracker.rows
+
+
+def test_the_engine_drafts_k_auto_rows_from_prompt_lookup_where_the_drafter_does_not_pay(tiny_pair):
+    """A drafter that costs half a target step (the llama.cpp pair on a CPU): a fly k "auto" row
+    whose text repeats drafts its lookups, without a drafter forward, and strict FLy still gives
+    the target's own greedy text."""
+    engine = tiny_auto_engine(tiny_pair, flat_profile(0.035, per_token=0.004, per_forward=0.02))
+    prompt = "abc def ghi abc def ghi abc def ghi abc def ghi abc def"
+    params = dict(mode="fly", theta=1.0, k="auto", k_max=8, max_tokens=40, temperature=0.0)
+    forwards = engine.drafters["model"].forwards
+    req = engine.generate([prompt], params)[0]
+    ar = engine.generate([prompt], dict(params, mode="ar"))[0]
+    assert req.generated == ar.generated
+    assert req.stats.drafted > 0  # drafted: lookups
+    assert engine.drafters["model"].forwards - forwards <= engine.policy.probes  # only probes ran the drafter
