@@ -16,6 +16,29 @@ TASKS = {
     "c": "Write a C function that reverses a singly linked list in place, with a short comment on each step and a "
     "main() that tests it on a list of five nodes.",
 }
+# A prompt whose answer rewrites its input (most of the output is in the prompt: prompt lookup's
+# best case), and one in another language than the model's mostly English code training.
+TASKS["rewrite"] = (
+    "Add type hints to this Python function and change nothing else; reply with the whole function.\n\n"
+    "```python\n"
+    "def summarize_orders(orders, currency, min_total=0):\n"
+    "    totals = {}\n"
+    "    for order in orders:\n"
+    "        if order['currency'] != currency:\n"
+    "            continue\n"
+    "        customer = order['customer']\n"
+    "        amount = sum(item['price'] * item['quantity'] for item in order['items'])\n"
+    "        totals[customer] = totals.get(customer, 0) + amount\n"
+    "    result = []\n"
+    "    for customer, total in sorted(totals.items(), key=lambda kv: kv[1], reverse=True):\n"
+    "        if total >= min_total:\n"
+    "            result.append({'customer': customer, 'total': round(total, 2)})\n"
+    "    return result\n"
+    "```"
+)
+TASKS["multilingual"] = (
+    "Erkläre auf Deutsch in einem kurzen Absatz, was eine Hashtabelle ist, und nenne zwei typische Anwendungen."
+)
 CODE = TASKS["code"]
 
 QUESTIONS = [

@@ -32,7 +32,7 @@ from .allocator import RowInfo
 from .contracts import Drafter, Drafts, RoundResult, Row, RowGrammar, Scorer
 from .detokenizer import IncrementalText, find_stop, held_back
 from .draft_ahead import Ahead, Stages, bets
-from .drafters import LookupDrafter, SourceDrafter
+from .drafters import LookupDrafter, PromptLookup, SourceDrafter
 from .grammar import Grammars, Matcher
 from .params import ParamError, Params
 from .request_stats import RequestStats
@@ -134,6 +134,9 @@ class Engine:
         }
         if drafter is not None:  # each drafter says what it does with them (contracts.Drafter)
             drafter.share_sources({"suffix": self.suffix_index, "recycle": self.recycler})
+        # A model row's free alternative (_free_offer) looks up at least two tokens of context: a
+        # one-token match proposes mostly noise in prose, and each try costs a wider verification.
+        self.free_lookup = PromptLookup(min_n=2)
         self.eos_ids = set(eos_ids)
         self.grammars = Grammars(tokenizer, scorer.vocab_size, self.eos_ids)  # structured output
         # whether the model drafter drafts under a row's grammar (its drafts then legal, so a
@@ -479,7 +482,7 @@ class Engine:
 
     def _free_offer(self, row: Row) -> list[int]:
         """Up to row.k drafts from the row's first MLA source that proposes any (drafters.py)."""
-        sources = {"pld": self.drafters["lookup"].source, "suffix": self.suffix_index, "recycle": self.recycler}
+        sources = {"pld": self.free_lookup, "suffix": self.suffix_index, "recycle": self.recycler}
         for name in row.mla_sources:
             got = sources[name].propose(row.tokens, row.k)
             if got:

@@ -30,7 +30,8 @@ two rows or more (with a batch table to price it), the rows at the plan's widest
 draft one more, and the next time one fewer (a width step; the plan's k's neighbours are what
 the plan weighs it against, so a step costs little where the plan is right).
 
-Exploration. A row the plan leaves at k = 0 for `probe_every` rounds in a row gets a probe round
+Exploration. A row the plan leaves at k = 0 for `probe_every` rounds in a row (with a frozen profile,
+a gap that doubles after each probe that did not pay, up to max_probe_every) gets a probe round
 (with no early stop; at most `max_probes` rows a round): its acceptance is measured again, and the
 cost check sees a drafting round, so a wrong seed (a profile that overprices drafting) corrects
 itself within a few probes, and a row that was written off is tried again. A row alone probes
@@ -74,6 +75,7 @@ class SpeculationPolicy:
         tracker: AcceptanceTracker | None = None,
         *,
         probe_every: int = 6,
+        max_probe_every: int = 96,
         probe_k: int = 4,
         max_probes: int = 1,
         width_every: int = 6,
@@ -85,6 +87,13 @@ class SpeculationPolicy:
         self.check = check if check is not None else CostCheck()
         self.under_load = under_load if under_load is not None else UnderLoad()
         self.probe_every, self.probe_k, self.max_probes = probe_every, probe_k, max_probes
+        # A row's rounds between probes: probe_every; with a profile measured here (frozen, so the
+        # probes only re-measure acceptance) doubled after each probe that left the plan at k = 0
+        # (up to max_probe_every), back to probe_every once the plan drafts it. Where
+        # drafting costs most of a plain step (a CPU drafter on llama.cpp's kernels) a probe
+        # costs about two plain steps, so a row that keeps not paying must not keep paying that.
+        self.max_probe_every = max(max_probe_every, probe_every)
+        self._gap: dict[str, int] = {}
         self.width_every = width_every
         self._batch_rounds = 0  # rounds of 2+ rows chosen (the width steps' clock)
         self.width_steps = 0  # rounds whose width was stepped since the start (the service's stats)
@@ -194,9 +203,11 @@ class SpeculationPolicy:
         for r, k in zip(rows, ks):
             if r.fixed or r.drafter == NONE or r.k_max <= 0 or k > 0:
                 idle.pop(r.key, None)
+                if k > 0 and not r.fixed:  # the plan drafts it: probes again at the shortest gap
+                    self._gap.pop(r.key, None)
             else:
                 idle[r.key] = idle.get(r.key, 0) + 1
-        due = [b for b, r in enumerate(rows) if idle.get(r.key, 0) > self.probe_every]
+        due = [b for b, r in enumerate(rows) if idle.get(r.key, 0) > self._gap.get(r.key, self.probe_every)]
         due.sort(key=lambda b: -idle[rows[b].key])  # stable: batch order among equals
         self._batch_quiet += batch
         if batch and width == 0 and self._batch_quiet <= self.probe_every:
@@ -206,6 +217,9 @@ class SpeculationPolicy:
         k_probe = max(width, 1) if batch else self.probe_k
         for b in due:
             ks[b], idle[rows[b].key] = min(k_probe, self.probe_k, rows[b].k_max), 0
+            if self.frozen:  # else the probes feed the cost check too, which needs them regular
+                gap = self._gap.get(rows[b].key, self.probe_every)
+                self._gap[rows[b].key] = min(2 * gap, self.max_probe_every)
         if batch and width == 0 and due:
             self._batch_quiet = 0
         self.probes += len(due)
@@ -268,4 +282,5 @@ class SpeculationPolicy:
             self.tracker.forget(free_key(key))
             for k in (key, free_key(key)):
                 self._idle.pop(k, None)
+                self._gap.pop(k, None)
                 self._probing.discard(k)
