@@ -2,10 +2,16 @@
 
 A method is written `name` or `name:key=value,key=value` (an ablation), e.g. `fly:theta=0.6,window=4`.
 Engine methods are the engine's modes (params.MODES: ar, spd, pld, fly, ...) plus `fly-nomla`
-(fly with mla=false); their keys are Params fields. Peers run transformers' own `generate` on the
-same loaded models: `hf-greedy` (plain decoding, a reference row), `hf-assisted` (assisted
-generation with the same drafter as `assistant_model`) and `hf-pld` (prompt lookup,
-`prompt_lookup_num_tokens`, default 10); their keys are `generate` keyword arguments.
+(fly with mla=false); their keys are Params fields. An engine method's name may carry a runtime,
+`name@torch` or `name@llama.cpp` (e.g. `ar@torch`, `fly@torch:k=6`): it then runs on a second
+engine of the same pair on that runtime (built on first use), beside the run's default engine
+(--runtime). Peers run transformers' own `generate` on the same models loaded in torch:
+`hf-greedy` (plain decoding, a reference row), `hf-assisted` (assisted generation with the same
+drafter as `assistant_model`) and `hf-pld` (prompt lookup, `prompt_lookup_num_tokens`, default
+10); their keys are `generate` keyword arguments. llama.cpp's `llama-server` runs the same GGUF
+files (llama_server.py): `llama-server` (the target alone), `llama-server-draft` (with the drafter,
+llama.cpp's own speculative decoding) and `llama-server-ngram` (its n-gram drafts); their keys are
+llama-server flags without the dashes (`llama-server-draft:spec-draft-n-max=16`).
 """
 
 import time
@@ -21,19 +27,30 @@ PEERS = {
     "hf-assisted": {},  # transformers' defaults: num_assistant_tokens 20, its own schedule
     "hf-pld": {"prompt_lookup_num_tokens": 10},
 }
+# llama.cpp's own defaults otherwise (a user's first command line): --spec-draft-n-max 3, n-gram sizes 12 / 48
+LLAMA_SERVER_PEERS = {
+    "llama-server": {},
+    "llama-server-draft": {"spec-type": "draft-simple"},  # with --spec-draft-model: the run's drafter
+    "llama-server-ngram": {"spec-type": "ngram-simple"},
+}
+# flags the bench sets itself, the same for every llama-server method (LlamaServer)
+SERVER_FLAGS_SET = {"m", "model", "md", "model-draft", "spec-draft-model", "host", "port", "t", "threads"}
+SERVER_FLAGS_SET |= {"np", "parallel", "c", "ctx-size"}
+ENGINE_RUNTIMES = ("torch", "llama.cpp")
 
 
 @dataclass(frozen=True)
 class Method:
     label: str  # as written on the command line: the key of its results
-    kind: str  # "engine" or "hf"
+    kind: str  # "engine", "hf" or "llama-server"
     base: str  # an engine mode or a peer name
-    options: dict = field(default_factory=dict)  # Params overrides, or generate kwargs
+    options: dict = field(default_factory=dict)  # Params overrides, generate kwargs, or llama-server flags
+    runtime: str | None = None  # an engine method's runtime ("name@runtime"); None: the run's default
 
     @property
     def batch_sizes_allowed(self) -> tuple[int, ...] | None:
         """None: any batch size. transformers' assisted generation and prompt lookup run one
-        sequence at a time, so the peers run at batch 1 only."""
+        sequence at a time, so the hf peers run at batch 1 only; llama-server batches its slots."""
         return (1,) if self.kind == "hf" else None
 
 
@@ -50,6 +67,8 @@ class Output:
     # engine only: the output position (0-based) of the first loosely accepted token (the engine's
     # RequestStats.first_loose_pos); None: none reached the output
     first_loose_pos: int | None = None
+    ttft_s: float | None = None  # llama-server only: its time to the first token, streamed
+    timings: dict | None = None  # llama-server only: its own figures (predicted_per_second, draft_n, ...)
 
 
 def parse_value(text: str):
@@ -67,8 +86,9 @@ def parse_value(text: str):
 
 
 def parse_method(spec: str) -> Method:
-    """`name[:key=value,...]` -> Method; a bad name or option is a ValueError naming both."""
+    """`name[@runtime][:key=value,...]` -> Method; a bad name or option is a ValueError naming both."""
     name, _, rest = spec.partition(":")
+    name, at, runtime = name.partition("@")
     options = {}
     for item in filter(None, rest.split(",")):
         key, eq, value = item.partition("=")
@@ -78,10 +98,18 @@ def parse_method(spec: str) -> Method:
     if name in ALIASES:
         name, preset = ALIASES[name]
         options = {**preset, **options}
+    if at and (name in PEERS or name in LLAMA_SERVER_PEERS or runtime not in ENGINE_RUNTIMES):
+        why = "a peer has its own runtime" if name in PEERS or name in LLAMA_SERVER_PEERS else "unknown runtime"
+        raise ValueError(f"methods: {spec!r}: {why} (an engine method takes @{' or @'.join(ENGINE_RUNTIMES)})")
     if name in PEERS:
         return Method(spec, "hf", name, {**PEERS[name], **options})
+    if name in LLAMA_SERVER_PEERS:
+        taken = sorted(SERVER_FLAGS_SET & set(options))
+        if taken:
+            raise ValueError(f"methods: {spec!r}: {', '.join(taken)} is set by the bench for every llama-server method")
+        return Method(spec, "llama-server", name, {**LLAMA_SERVER_PEERS[name], **options})
     if name not in MODES:
-        known = ", ".join([*MODES, *ALIASES, *PEERS])
+        known = ", ".join([*MODES, *ALIASES, *PEERS, *LLAMA_SERVER_PEERS])
         raise ValueError(f"methods: {spec!r}: unknown method {name!r} (have {known})")
     for reserved in ("mode", "max_tokens", "temperature", "seed", "stop"):
         if reserved in options:
@@ -90,7 +118,7 @@ def parse_method(spec: str) -> Method:
         Params.from_dict({"mode": name, **options}).validate(1, 1 << 30)
     except (ParamError, TypeError) as e:
         raise ValueError(f"methods: {spec!r}: {e}") from None
-    return Method(spec, "engine", name, options)
+    return Method(spec, "engine", name, options, runtime or None)
 
 
 # ---- running
@@ -160,3 +188,61 @@ class Peer:
             if s in text:
                 text, finish = text[: text.find(s)], "stop"
         return Output(gen, text, wall, finish_reason=finish)
+
+
+class ServerPeer:
+    """llama.cpp's llama-server on the run's GGUF files: one server per llama-server method,
+    started on its first use with `slots` slots (the run's largest batch) of `context` tokens and
+    `threads` threads, kept for the run, stopped by close(). A chunk of b prompts is b requests
+    at once (the server's continuous batching), its makespan shared evenly as the engine's is."""
+
+    def __init__(self, target_gguf, drafter_gguf, threads: int, slots: int, context: int):
+        self.target, self.drafter = target_gguf, drafter_gguf
+        self.threads, self.slots, self.context = threads, slots, context
+        self.servers: dict[str, object] = {}  # label -> a running llama_server.LlamaServer
+
+    def server(self, method: Method):
+        from .llama_server import LlamaServer
+
+        if method.label not in self.servers:
+            draft = method.base == "llama-server-draft"
+            if draft and self.drafter is None:
+                raise ValueError(f"methods: {method.label}: needs a draft model (--drafter)")
+            server = LlamaServer(
+                self.target,
+                draft=self.drafter if draft else None,
+                threads=self.threads,
+                slots=self.slots,
+                context=self.context,
+                flags=method.options,
+            )
+            server.start()
+            self.servers[method.label] = server
+        return self.servers[method.label]
+
+    def generate(self, method: Method, prompts: list[list[int]], settings: list[dict]) -> list[Output]:
+        server = self.server(method)
+        asks = [
+            dict(
+                max_tokens=s["max_tokens"],
+                temperature=s.get("temperature", 0.0),
+                seed=s.get("seed") or 0,
+                stop=s.get("stop") or [],
+            )
+            for s in settings
+        ]
+        answers, makespan = server.complete_many(prompts, asks)
+        share = makespan / len(answers)
+        return [
+            Output(a.token_ids, a.text, share, finish_reason=a.finish_reason, ttft_s=a.ttft_s, timings=a.timings)
+            for a in answers
+        ]
+
+    def commands(self) -> dict[str, str]:
+        """Each started server's command line, by method."""
+        return {label: s.command for label, s in self.servers.items()}
+
+    def close(self) -> None:
+        for server in self.servers.values():
+            server.stop()
+        self.servers.clear()

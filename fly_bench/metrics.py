@@ -1,6 +1,7 @@
 """Figures from result records (store.py), per dataset, temperature, batch size and method, each
-against `ar` of the same dataset, temperature and batch size (peers run at batch 1: against `ar`
-at batch 1). Pure functions of the records: tested on known inputs."""
+against `ar` of the same dataset, temperature and batch size (hf peers run at batch 1: against `ar`
+at batch 1), and its speed against llama.cpp's plain `llama-server` there too where the run has
+it. Pure functions of the records: tested on known inputs."""
 
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
@@ -8,6 +9,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 REFERENCE = "ar"
+PEER_REFERENCE = "llama-server"  # llama.cpp's plain decoding on the same files (methods.LLAMA_SERVER_PEERS)
 
 
 @dataclass
@@ -16,12 +18,14 @@ class Row:
     temperature: float
     batch: int
     method: str
+    runtime: str | None  # where its samples ran (records' "runtime"; None: older results)
     problems: int
     samples: int
     tokens: int
     wall_s: float
     tok_s: float
     speedup: float | None  # tok/s over ar's, same run
+    vs_peer: float | None  # tok/s over llama-server's (PEER_REFERENCE), same run
     tau: float | None  # tokens per round (engine methods)
     loosely: int | None
     accuracy: float
@@ -161,18 +165,22 @@ def summarize(records: list[dict], n_boot: int = 2000, seed: int = 0) -> list[Ro
     rows = []
     for (dataset, temperature, batch, method), recs in sorted(groups.items(), key=lambda kv: _order(kv[0])):
         ar = groups.get((dataset, temperature, batch, REFERENCE), [])
+        peer = groups.get((dataset, temperature, batch, PEER_REFERENCE), [])
         rounds = [r["rounds"] for r in recs if r.get("rounds") is not None]
+        runtimes = sorted({r["runtime"] for r in recs if r.get("runtime")})
         base = dict(
             dataset=dataset,
             temperature=temperature,
             batch=batch,
             method=method,
+            runtime=", ".join(runtimes) or None,
             problems=len({r["problem"] for r in recs}),
             samples=len(recs),
             tokens=sum(r["tokens"] for r in recs),
             wall_s=round(sum(r["wall_s"] for r in recs), 3),
             tok_s=tok_s(recs),
             speedup=tok_s(recs) / tok_s(ar) if ar and tok_s(ar) > 0 else None,
+            vs_peer=tok_s(recs) / tok_s(peer) if peer and tok_s(peer) > 0 else None,
             tau=sum(r["tokens"] for r in recs) / sum(rounds) if rounds and sum(rounds) else None,
             loosely=sum(r.get("loosely") or 0 for r in recs) if rounds else None,
             accuracy=float(np.mean(list(per_problem_means(recs).values()))),

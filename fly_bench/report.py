@@ -9,7 +9,8 @@ from . import calibrate
 from .metrics import Row
 
 COLUMNS = (
-    "dataset | T | batch | method | problems | tok/s | vs ar | tau | accuracy | recovery [95% CI] | "
+    "dataset | T | batch | method | runtime | problems | tok/s | vs ar | vs llama-server | tau | accuracy | "
+    "recovery [95% CI] | "
     "identical to ar | flips -/+ | first divergence (median; < 8 tokens) | "
     "first loose accept (exact position: median; < 8 tokens)"
 )
@@ -31,14 +32,17 @@ def table_line(r: Row) -> str:
     if r.with_loose:  # "~": some positions are only the start of their round (older results)
         loose = f"{'' if r.first_loose_exact else '~'}{r.first_loose_median:.0f}; {r.loose_early}/{r.with_loose}"
     speedup = "-" if r.speedup is None else f"{r.speedup:.2f}x"
+    vs_peer = "-" if r.vs_peer is None else f"{r.vs_peer:.2f}x"
     cells = [
         r.dataset,
         f"{r.temperature:g}",
         str(r.batch),
         r.method,
+        r.runtime or "-",
         str(r.problems),
         f"{r.tok_s:.2f}",
         speedup,
+        vs_peer,
         _num(r.tau, ".2f"),
         f"{r.accuracy:.3f}",
         recovery,
@@ -94,8 +98,12 @@ def plots(rows: list[Row], out_dir: Path) -> list[Path]:
         print("[bench] matplotlib is not installed: no plots (pip install -e '.[bench]')")
         return []
     written = []
-    for metric, ylabel in (("speedup", "tokens/s over ar (same run)"), ("recovery", "accuracy / accuracy of ar")):
-        written.append(_bars(plt, rows, metric, ylabel, out_dir / f"{metric}.png"))
+    for metric, ylabel, name in (
+        ("speedup", "tokens/s over ar (same run)", "speedup"),
+        ("vs_peer", "tokens/s over llama-server (same run)", "vs_llama_server"),
+        ("recovery", "accuracy / accuracy of ar", "recovery"),
+    ):
+        written.append(_bars(plt, rows, metric, ylabel, out_dir / f"{name}.png"))
     written.append(_bars(plt, rows, "tau", "tokens per round", out_dir / "tau.png"))
     return [p for p in written if p]
 
@@ -126,7 +134,7 @@ def _bars(plt, rows: list[Row], metric: str, ylabel: str, path: Path) -> Path | 
         ax.bar(xs, ys, width, label=method, yerr=err if metric == "recovery" else None, capsize=2)
     ax.set_xticks(range(len(groups)), list(groups))
     ax.set_ylabel(ylabel)
-    if metric in ("speedup", "recovery"):
+    if metric in ("speedup", "vs_peer", "recovery"):
         ax.axhline(1.0, color="gray", lw=0.8, ls="--")
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()

@@ -13,13 +13,14 @@ import platform
 import sys
 import time
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from fly_serve.loading import RUNTIMES
 from fly_serve.params import MODES
 
 from . import calibrate, datasets, report
-from .methods import Method, Output, Peer, parse_method, run_engine
+from .methods import Method, Output, Peer, ServerPeer, parse_method, run_engine
 from .metrics import summarize
 from .scoring import score
 from .store import ResultStore
@@ -34,7 +35,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
         nargs="+",
         default=list(DEFAULT_METHODS),
         help="name or name:key=value,... (an ablation, e.g. fly:theta=0.6,window=4 or fly:rho=0.1); engine modes, "
-        "fly-nomla, hf-greedy, hf-assisted, hf-pld",
+        "fly-nomla, each also as name@torch or name@llama.cpp (a second engine on that runtime, e.g. ar@torch); "
+        "hf-greedy, hf-assisted, hf-pld; llama-server, llama-server-draft, llama-server-ngram (keys: its flags, "
+        "e.g. llama-server-draft:spec-draft-n-max=16)",
     )
     p.add_argument(
         "--sweep",
@@ -43,7 +46,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
         metavar="KEY=V1,V2",
         help="add a fly method for every combination, e.g. --sweep theta=0.1,0.3,0.6 window=4,6 rho=0,0.1",
     )
-    p.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 8], help="engine methods; peers run at 1")
+    p.add_argument(
+        "--batch-sizes", nargs="+", type=int, default=[1, 8], help="engine and llama-server methods; hf peers run at 1"
+    )
     p.add_argument("--temperatures", nargs="+", type=float, default=[0.0])
     p.add_argument("--samples", type=int, default=3, help="samples per problem at T > 0 (seeded)")
     p.add_argument("--limit", type=int, default=10, help="problems per dataset")
@@ -69,7 +74,15 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", default=None, help="model name (default: the embedded drafter)")
     p.add_argument("--dtype", default="auto", help="target precision (auto: bf16 where the hardware has it, else fp32)")
     p.add_argument("--drafter-precision", default="int8")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument(
+        "--threads", type=int, default=None, help="threads of torch, llama.cpp and llama-server (default: torch's)"
+    )
+    p.add_argument(
+        "--runtime",
+        default="auto",
+        choices=RUNTIMES,
+        help="the default engine's model runtime (auto: llama.cpp's kernels for GGUF models on a CPU, else torch)",
+    )
 
 
 # ---- set-up
@@ -86,50 +99,183 @@ def sweep_methods(sweep: list[str]) -> list[str]:
 
 @dataclass
 class Bench:
-    """What one run holds: the engine, the peers on the same models, and what they need."""
+    """What one run holds: its engines (one per runtime, each built on first use), the peers on
+    the same models (transformers' on the torch models, llama-server on the GGUF files), and what
+    they need."""
 
-    engine: object
+    args: argparse.Namespace
+    methods: list[Method]
     tokenizer: object
-    peer: Peer | None
+    target_name: str
     drafter_name: str
+    runtime: str  # the default engine's: --runtime resolved (loading.resolve_runtime)
+    max_model_len: int  # the engines' context, and each llama-server slot's
+    engines: dict[str, object] = field(default_factory=dict)  # by runtime
+    torch_models: tuple | None = None  # (target, drafter or None) in torch, once loaded
+    peer: Peer | None = None
+    server: ServerPeer | None = None
     notes: list[str] = field(default_factory=list)
     hf_drafter_precision: str | None = None
 
 
 def load_pair(args, methods: list[Method]) -> Bench:
+    """The pair's names, tokenizer and context; models load when a method first needs them."""
     import torch
 
-    from fly_serve.build import build_engine
-    from fly_serve.loading import eos_ids, load_model, load_tokenizer, resolve_precision
+    from fly_serve.loading import load_config, load_tokenizer, resolve_runtime
     from fly_serve.weights import DEFAULT_DRAFTER, DEFAULT_TARGET
 
     if args.threads:
         torch.set_num_threads(args.threads)
     target_name, drafter_name = args.target or DEFAULT_TARGET, args.drafter or DEFAULT_DRAFTER
     tokenizer = load_tokenizer(target_name)
-    target = load_model(target_name, args.dtype)
-    need_drafter = any(
-        m.base == "hf-assisted" or (m.kind == "engine" and MODES[m.base].drafter == "model") for m in methods
+    max_model_len = min(4096, load_config(target_name).max_position_embeddings)  # as build_engine clamps it
+    runtime = resolve_runtime(args.runtime, target_name, progress=_quiet)
+    bench = Bench(args, methods, tokenizer, target_name, drafter_name, runtime, max_model_len)
+    if any(m.kind == "llama-server" for m in methods):
+        bench.server = server_peer(bench)
+    return bench
+
+
+def server_peer(bench: Bench) -> ServerPeer:
+    """llama-server on the GGUF files fly-serve's llama.cpp runtime reads for the same names, its
+    threads the engines' (torch's setting, which LlamaRunner takes too)."""
+    import torch
+
+    from fly_serve.loading import gguf_path
+
+    from .llama_server import find_binary
+
+    try:
+        find_binary()
+        target = gguf_path(bench.target_name, _quiet)
+        draft = any(m.base == "llama-server-draft" for m in bench.methods)
+        drafter = gguf_path(bench.drafter_name, _quiet) if draft else None
+    except (ValueError, RuntimeError) as e:
+        raise SystemExit(f"error: --methods llama-server*: {e}") from None
+    return ServerPeer(target, drafter, torch.get_num_threads(), max(bench.args.batch_sizes), bench.max_model_len)
+
+
+def runtime_of(bench: Bench, method: Method) -> str:
+    """Where a method's rows ran: an engine's runtime, or the peer's own."""
+    if method.kind == "hf":
+        return "torch (transformers)"
+    if method.kind == "llama-server":
+        return "llama-server"
+    return method.runtime or bench.runtime
+
+
+def needs_drafter(bench: Bench, runtime: str) -> bool:
+    """Whether the models on `runtime` need the drafter: an engine method there drafts with it,
+    or (torch) transformers' assisted generation takes it as assistant."""
+    engine = any(
+        m.kind == "engine" and runtime_of(bench, m) == runtime and MODES[m.base].drafter == "model"
+        for m in bench.methods
     )
-    drafter = load_model(drafter_name, args.drafter_precision) if need_drafter else None
-    engine = build_engine(target, drafter, tokenizer=tokenizer, max_batch=max(args.batch_sizes), progress=_quiet)
-    peer = None
-    if any(m.kind == "hf" for m in methods):
-        peer = Peer(target, drafter, tokenizer, sorted(eos_ids(target, tokenizer)))
-    notes = [
-        f"pair: target {target_name} ({resolve_precision(args.dtype)}), "
-        f"drafter {drafter_name} ({args.drafter_precision})",
+    return engine or (runtime == "torch" and any(m.base == "hf-assisted" for m in bench.methods))
+
+
+def torch_models(bench: Bench) -> tuple:
+    """(target, drafter or None) loaded in torch, once: the torch engine's and the hf peers'."""
+    from fly_serve.loading import load_model
+
+    if bench.torch_models is None:
+        args = bench.args
+        target = load_model(bench.target_name, args.dtype, progress=_quiet, runtime="torch")
+        drafter = None
+        if needs_drafter(bench, "torch"):
+            drafter = load_model(bench.drafter_name, args.drafter_precision, progress=_quiet, runtime="torch")
+        bench.torch_models = (target, drafter)
+    return bench.torch_models
+
+
+def engine_on(bench: Bench, runtime: str):
+    """The engine of the pair on `runtime`, built on first use: on torch from the loaded models
+    the hf peers share, on llama.cpp from the GGUF files by name (memory-mapped as shipped)."""
+    from fly_serve.build import build_engine
+
+    if runtime not in bench.engines:
+        if runtime == "torch":
+            target, drafter = torch_models(bench)
+        else:
+            target = bench.target_name
+            drafter = bench.drafter_name if needs_drafter(bench, runtime) else None
+        bench.engines[runtime] = build_engine(
+            target,
+            drafter,
+            tokenizer=bench.tokenizer,
+            dtype=bench.args.dtype,
+            drafter_precision=bench.args.drafter_precision,
+            max_batch=max(bench.args.batch_sizes),
+            max_model_len=bench.max_model_len,
+            runtime=runtime,
+            progress=_quiet,
+        )
+    return bench.engines[runtime]
+
+
+def hf_peer(bench: Bench) -> Peer:
+    """transformers' generate on the pair loaded in torch (the torch engine's own models, if any)."""
+    from fly_serve.loading import eos_ids
+
+    if bench.peer is None:
+        target, drafter = torch_models(bench)
+        bench.peer = Peer(target, drafter, bench.tokenizer, sorted(eos_ids(target, bench.tokenizer)))
+    return bench.peer
+
+
+def run_notes(bench: Bench) -> list[str]:
+    """What the report says about where each row ran and how."""
+    from fly_serve.loading import gguf_path, resolve_precision
+
+    args = bench.args
+    notes = [f"pair: target {bench.target_name}, drafter {bench.drafter_name}; default engine runtime {bench.runtime}"]
+    by_runtime: dict[str, list[str]] = {}
+    for m in bench.methods:
+        by_runtime.setdefault(runtime_of(bench, m), []).append(m.label)
+    for runtime, labels in by_runtime.items():
+        notes.append(f"runtime {runtime}: {', '.join(labels)}")
+    if bench.torch_models is not None:
+        drafter = "no drafter" if bench.torch_models[1] is None else f"drafter {args.drafter_precision}"
+        notes.append(
+            f"torch models: target {resolve_precision(args.dtype)}, {drafter} "
+            "(hf-* peers run on the same loaded models)"
+        )
+    if "llama.cpp" in bench.engines or bench.server:
+        files = ", ".join(str(gguf_path(name, _quiet)) for name in (bench.target_name, bench.drafter_name))
+        notes.append(f"llama.cpp and llama-server: the GGUF files as shipped ({files}); {_repack_note()}")
+    notes.append(
         "first divergence: the first token where an output parts from ar's (same dataset, T, batch, sample); "
         "bf16 verification can part outputs too (compare the spd row). First loose accept: the exact output "
         "position (0-based) of the first loosely accepted token that reached the output (the engine's "
-        "first_loose_pos); ~ marks figures from older results that only knew the start of that round",
-    ]
-    if peer:
+        "first_loose_pos); ~ marks figures from older results that only knew the start of that round"
+    )
+    if bench.peer:
         notes.append(
             "hf-* peers: transformers' generate on the same loaded models, batch 1 (assisted generation "
             "and prompt lookup run one sequence at a time); speedup against ar at batch 1"
         )
-    return Bench(engine, tokenizer, peer, drafter_name, notes)
+    if bench.server and bench.server.servers:
+        notes.append(
+            f"llama-server peers ({_server_version(bench.server)}): the same GGUF files, prompts sent as token ids "
+            "to /completion (streamed; greedy at T=0; no prompt cache, as the engines run without one); a batch "
+            "of b is b requests at once to its slots (continuous batching); 'vs llama-server' is tok/s over "
+            "llama-server's at the same dataset, T and batch. Commands: "
+            + "; ".join(f"{label}: `{cmd}`" for label, cmd in bench.server.commands().items())
+        )
+    return notes + bench.notes
+
+
+def _repack_note() -> str:
+    from .llama_server import repack_allowed
+
+    if repack_allowed():
+        return "weights repacked for llama.cpp's CPU kernels"
+    return "no repacking (llama.cpp's AMX kernels crash here: llama_runner.amx_kernels_unsafe), llama-server too"
+
+
+def _server_version(peer: ServerPeer) -> str:
+    return next(iter(peer.servers.values())).version()
 
 
 def _quiet(message: str) -> None:
@@ -170,14 +316,15 @@ def run_peer(bench: Bench, method: Method, prompts, settings) -> list[Output]:
     """A peer's samples one at a time. If transformers refuses the int8 drafter as assistant, the
     drafter is loaded again in bf16 for the peer, and the report says so."""
     outs = []
+    peer = hf_peer(bench)
     for prompt, setting in zip(prompts, settings):
         try:
-            outs.append(bench.peer.generate(method, prompt, setting))
+            outs.append(peer.generate(method, prompt, setting))
         except Exception as e:
             if method.base != "hf-assisted" or bench.hf_drafter_precision is not None:
                 raise
-            bench.peer.drafter = reload_drafter_bf16(bench, e)
-            outs.append(bench.peer.generate(method, prompt, setting))
+            peer.drafter = reload_drafter_bf16(bench, e)
+            outs.append(peer.generate(method, prompt, setting))
         if method.base == "hf-assisted" and bench.hf_drafter_precision is None:
             bench.hf_drafter_precision = "same as the engine's"
             bench.notes.append("hf-assisted: assistant_model = the engine's own drafter object (same precision)")
@@ -198,10 +345,13 @@ def reload_drafter_bf16(bench: Bench, error: Exception):
 def run_chunk(bench: Bench, method: Method, problems, prompts, settings) -> list[Output]:
     if method.kind == "hf":
         return run_peer(bench, method, prompts, settings)
-    return run_engine(bench.engine, method, prompts, settings)
+    if method.kind == "llama-server":
+        return bench.server.generate(method, prompts, settings)
+    return run_engine(engine_on(bench, runtime_of(bench, method)), method, prompts, settings)
 
 
-def record(problem, method, batch, temperature, sample, out: Output, value: float) -> dict:
+def record(problem, method, batch, temperature, sample, out: Output, value: float, runtime: str) -> dict:
+    peer = {} if out.timings is None else dict(ttft_s=out.ttft_s, timings=out.timings)
     return dict(
         dataset=problem.dataset,
         problem=problem.pid,
@@ -210,6 +360,7 @@ def record(problem, method, batch, temperature, sample, out: Output, value: floa
         temperature=temperature,
         sample=sample,
         score=value,
+        runtime=runtime,
         tokens=len(out.token_ids),
         wall_s=round(out.wall_s, 4),
         rounds=out.rounds,
@@ -220,6 +371,7 @@ def record(problem, method, batch, temperature, sample, out: Output, value: floa
         first_loose_pos=out.first_loose_pos,
         token_ids=out.token_ids,
         text=out.text,
+        **peer,
         **problem.meta,
     )
 
@@ -266,8 +418,9 @@ def generate_all(args, bench: Bench, problems: dict, methods: list[Method], stor
             for p in pending
         ]
         outs = run_chunk(bench, method, pending, [ids[p.pid] for p in pending], settings)
+        runtime = runtime_of(bench, method)
         for p, out in zip(pending, outs):
-            store.add(record(p, method, batch, temperature, sample, out, score(p, out.text, args.timeout)))
+            store.add(record(p, method, batch, temperature, sample, out, score(p, out.text, args.timeout), runtime))
 
 
 def key(problem, unit) -> tuple:
@@ -277,7 +430,7 @@ def key(problem, unit) -> tuple:
 
 def check_fits(bench: Bench, problems: dict, max_tokens: int) -> None:
     """A prompt + max_tokens past the context would fail mid-run: refuse before any work."""
-    limit = bench.engine.max_model_len
+    limit = bench.max_model_len
     for probs in problems.values():
         for p in probs:
             n = len(prompt_ids(bench.tokenizer, p))
@@ -309,7 +462,7 @@ def run(args, problems: dict[str, list[datasets.Problem]] | None = None) -> list
         raise SystemExit(f"error: {e}") from None
     if args.k is not None:
         methods = [
-            Method(m.label, m.kind, m.base, {"k": args.k, **m.options}) if m.kind == "engine" and m.base != "ar" else m
+            replace(m, options={"k": args.k, **m.options}) if m.kind == "engine" and m.base != "ar" else m
             for m in methods
         ]
     out_dir = Path(args.out)
@@ -323,9 +476,13 @@ def run(args, problems: dict[str, list[datasets.Problem]] | None = None) -> list
         if not problems:
             raise SystemExit("error: --datasets: none of the datasets is installed (see the messages above)")
         check_fits(bench, problems, args.max_tokens)
-        print(f"[bench] models and data ready in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
-        generate_all(args, bench, problems, methods, store)
-        notes = bench.notes
+        print(f"[bench] pair and data ready in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+        try:
+            generate_all(args, bench, problems, methods, store)
+            notes = run_notes(bench)
+        finally:
+            if bench.server:
+                bench.server.close()
     # the figures of this command's datasets and methods (one --out may hold more)
     labels = {m.label for m in methods}
     records = [r for r in store.all() if r["method"] in labels and r["dataset"] in args.datasets]

@@ -166,8 +166,15 @@ def _gguf(name: str, head_cut: int | None, progress):
 
     if check_head_cut(head_cut) is not None:
         raise ValueError("head_cut: cuts a torch model's lm_head; runtime llama.cpp runs the GGUF as shipped")
+    return GGUFModel(gguf_path(name, progress))
+
+
+def gguf_path(name: str, progress=print):
+    """The GGUF file runtime llama.cpp runs for `name`: a tiny model's written once (tiny_gguf.py),
+    else the file it ships as (weights.gguf_file); a ValueError for a model without one. Also what a
+    peer given the same files reads (fly_bench/llama_server.py)."""
     seed = tiny_seed(name)
-    if seed is not None:  # a tiny model, written as a GGUF once (tiny_gguf.py)
+    if seed is not None:
         import transformers
 
         from .tiny_gguf import write_tiny_gguf
@@ -179,11 +186,11 @@ def _gguf(name: str, head_cut: int | None, progress):
         if not path.is_file():
             path.parent.mkdir(parents=True, exist_ok=True)
             write_tiny_gguf(seed, path)
-        return GGUFModel(path)
+        return path
     path = gguf_file(name, progress)
     if path is None:
         raise ValueError(f"runtime: llama.cpp runs GGUF files; {name!r} has none (use runtime torch)")
-    return GGUFModel(path)
+    return path
 
 
 def _int8(name: str, head_cut: int | None, progress):

@@ -24,9 +24,21 @@ level in the same sweep; nothing is asserted.
 
 `--check N` afterwards runs N sampled greedy (prompt, method) pairs through the in-process
 engine and reports how many texts are equal (bf16 numerics may differ with batch composition).
+
+`--peer llama-server [llama-server-draft ...]` adds llama.cpp's own server as a peer: the sweep
+starts one per peer (fly_bench/llama_server.py; build it with scripts/build_llama_server.sh) on the
+GGUF files of --peer-target / --peer-drafter (default: the embedded pair, the files fly-serve's
+llama.cpp runtime reads), with as many slots (-np) as the largest user count, and sends it the same
+users, bursts and prompts through its OpenAI-compatible /v1/chat/completions (streamed, usage). Its
+rows stand beside fly-serve's methods at every user count, and every row gets its ratio against
+the first peer (tok/s, the same bursts, TTFT). `--methods` with no names runs the peers alone.
+
+    python -m loadtest.load_sweep --users 1 2 4 8 16 --methods ar fly:k=auto --peer llama-server \
+        llama-server-draft --together 3 --max-tokens 160
 """
 
 import argparse
+import contextlib
 import csv
 import itertools
 import json
@@ -42,6 +54,8 @@ from locust import HttpUser, constant, task
 from locust.env import Environment
 from locust.exception import StopUser
 
+from fly_bench.llama_server import LlamaServer, LlamaServerMissing
+from fly_bench.methods import parse_method
 from fly_bench.prompts import SWEEP_CHATS as PROMPTS
 
 SPAWN_AT_ONCE = 10_000  # users a second: a burst's users start within milliseconds of each other
@@ -50,8 +64,9 @@ BURST_DEADLINE_S = 900  # a burst's requests unfinished by then count as failure
 
 @dataclass
 class Method:
-    name: str  # "ar", "fly:k=15", "fly:k=auto", "spd:k=6" ...
-    fly: dict  # the request's `fly` object
+    name: str  # "ar", "fly:k=15", "fly:k=auto", "spd:k=6" ...; a peer's: "llama-server" ...
+    fly: dict | None  # the request's `fly` object; None: a peer, which gets none
+    host: str | None = None  # a peer's own server; None: the sweep's --host
 
     @classmethod
     def parse(cls, text: str) -> "Method":
@@ -111,8 +126,9 @@ def user_class(method: Method, users: int, max_tokens: int, records: list[Record
                 "temperature": 0,
                 "stream": True,
                 "stream_options": {"include_usage": True},
-                "fly": method.fly,
             }
+            if method.fly is not None:
+                body["fly"] = method.fly
             t0 = time.perf_counter()
             ttft, text, last = None, [], None
             name = f"chat [{method.name}]"
@@ -141,6 +157,7 @@ def user_class(method: Method, users: int, max_tokens: int, records: list[Record
                     r.failure("no usage chunk")
                     return
             fly = last.get("fly") or {}
+            drafted = fly.get("drafted", (last.get("timings") or {}).get("draft_n", 0))  # llama-server's own count
             records.append(
                 Record(
                     method.name,
@@ -151,7 +168,7 @@ def user_class(method: Method, users: int, max_tokens: int, records: list[Record
                     time.perf_counter() - t0,
                     last["usage"]["completion_tokens"],
                     fly.get("rounds", 0),
-                    fly.get("drafted", 0),
+                    drafted,
                     "".join(text),
                     burst,
                 )
@@ -163,7 +180,8 @@ def user_class(method: Method, users: int, max_tokens: int, records: list[Record
 def run_level(host: str, method: Method, users: int, duration_s: float, max_tokens: int) -> tuple[list[Record], dict]:
     """`users` users for `duration_s`, then the users stop after their request in flight."""
     records: list[Record] = []
-    env = Environment(user_classes=[user_class(method, users, max_tokens, records)], host=host, stop_timeout=900)
+    classes = [user_class(method, users, max_tokens, records)]
+    env = Environment(user_classes=classes, host=method.host or host, stop_timeout=900)
     runner = env.create_local_runner()
     t0 = time.perf_counter()
     runner.start(users, spawn_rate=users)
@@ -199,7 +217,7 @@ def run_bursts(host: str, methods: list[Method], users: int, bursts: int, max_to
 
 def one_burst(host: str, method: Method, users: int, burst: int, max_tokens: int, records: list[Record]):
     """One burst of `method`: (its makespan in seconds, its failed or unfinished requests)."""
-    env = Environment(user_classes=[user_class(method, users, max_tokens, records, burst)], host=host)
+    env = Environment(user_classes=[user_class(method, users, max_tokens, records, burst)], host=method.host or host)
     runner = env.create_local_runner()
     t0 = time.perf_counter()
     runner.start(users, spawn_rate=SPAWN_AT_ONCE)
@@ -229,33 +247,48 @@ def summarize(records: list[Record], wall_s: float, failures: int) -> dict:
         "tokens": tokens,
         "wall_s": round(wall_s, 2),
         "tokens_per_s": round(tokens / wall_s, 3) if wall_s > 0 else 0.0,
-        "p50_latency_s": round(pct([r.latency_s for r in records], 0.5), 2),
-        "p99_latency_s": round(pct([r.latency_s for r in records], 0.99), 2),
-        "p50_ttft_s": round(pct([r.ttft_s for r in records], 0.5), 2),
-        "p99_ttft_s": round(pct([r.ttft_s for r in records], 0.99), 2),
+        # to the ms: a TTFT ratio against a peer reads them (tenths of a second at one user)
+        "p50_latency_s": round(pct([r.latency_s for r in records], 0.5), 3),
+        "p99_latency_s": round(pct([r.latency_s for r in records], 0.99), 3),
+        "p50_ttft_s": round(pct([r.ttft_s for r in records], 0.5), 3),
+        "p99_ttft_s": round(pct([r.ttft_s for r in records], 0.99), 3),
         "tau": round(tokens / rounds, 3) if rounds else 0.0,
         # drafts per round of each request: with k "auto", the k the engine chose on average
         "drafts_per_round": [round(r.drafted / r.rounds, 2) for r in records if r.rounds],
     }
 
 
-def table(summary: dict) -> str:
-    lines = [
-        "| users | method | tok/s | x ar | x ar (bursts) | p50 s | p99 s | TTFT p50 s | tau "
-        "| drafts/round (median) | requests |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
+def table(summary: dict, peer: str | None = None) -> str:
+    """One line per (users, method): its figures, its ratios against ar and, with a peer, against
+    the peer (tok/s, the same bursts, p50 TTFT)."""
+    head = "| users | method | tok/s | x ar | x ar (bursts) |"
+    if peer:
+        head += f" x {peer} | x {peer} (bursts) | TTFT x {peer} |"
+    head += " p50 s | p99 s | TTFT p50 s | tau | drafts/round (median) | requests |"
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for users, by_method in summary.items():
-        ar = by_method.get("ar", {})
+        ar, base = by_method.get("ar", {}), by_method.get(peer, {}) if peer else {}
         for name, s in by_method.items():
-            ratio = f"{s['tokens_per_s'] / ar['tokens_per_s']:.2f}" if ar.get("tokens_per_s") else "-"
-            paired = burst_ratio(s, ar)
             drafts = statistics.median(s["drafts_per_round"]) if s["drafts_per_round"] else 0
-            lines.append(
-                f"| {users} | {name} | {s['tokens_per_s']:.2f} | {ratio} | {paired} | {s['p50_latency_s']} | "
-                f"{s['p99_latency_s']} | {s['p50_ttft_s']} | {s['tau']} | {drafts:.1f} | {s['requests']} |"
-            )
+            cells = [users, name, f"{s['tokens_per_s']:.2f}", rate_ratio(s, ar), burst_ratio(s, ar)]
+            if peer:
+                cells += [rate_ratio(s, base), burst_ratio(s, base), ttft_ratio(s, base)]
+            cells += [s["p50_latency_s"], s["p99_latency_s"], s["p50_ttft_s"], s["tau"], f"{drafts:.1f}", s["requests"]]
+            lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines)
+
+
+def rate_ratio(s: dict, base: dict) -> str:
+    """s's tok/s over base's ("-" without base)."""
+    return f"{s['tokens_per_s'] / base['tokens_per_s']:.2f}" if base.get("tokens_per_s") else "-"
+
+
+def ttft_ratio(s: dict, base: dict) -> str:
+    """s's p50 time to first token over base's ("-" without a figure on either side)."""
+    mine, theirs = s.get("p50_ttft_s"), base.get("p50_ttft_s")
+    if mine is None or not theirs or mine != mine or theirs != theirs:
+        return "-"
+    return f"{mine / theirs:.2f}"
 
 
 def burst_ratio(s: dict, base: dict) -> str:
@@ -270,7 +303,8 @@ def burst_ratio(s: dict, base: dict) -> str:
     return f"{statistics.median(rates):.2f}" if rates else "-"
 
 
-def plot(summary: dict, path: Path) -> bool:
+def plot(summary: dict, path: Path, peer: str | None = None) -> bool:
+    """Throughput per user count, and the ratio against each reference the sweep has (ar, the peer)."""
     try:
         import matplotlib
 
@@ -281,15 +315,20 @@ def plot(summary: dict, path: Path) -> bool:
         return False
     levels = [int(u) for u in summary]
     methods = list(next(iter(summary.values())))
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    refs = [r for r in ("ar", peer) if r and all(summary[str(u)].get(r, {}).get("tokens_per_s") for u in levels)]
+    fig, axes = plt.subplots(1, 1 + len(refs), figsize=(5.5 * (1 + len(refs)), 4), squeeze=False)
+    a, ratio_axes = axes[0][0], axes[0][1:]
     for m in methods:
         tps = [summary[str(u)][m]["tokens_per_s"] for u in levels]
         a.plot(levels, tps, marker="o", label=m)
-        b.plot(levels, [t / summary[str(u)]["ar"]["tokens_per_s"] for t, u in zip(tps, levels)], marker="o", label=m)
+        for ax, ref in zip(ratio_axes, refs):
+            base = [summary[str(u)][ref]["tokens_per_s"] for u in levels]
+            ax.plot(levels, [t / b for t, b in zip(tps, base)], marker="o", label=m)
     a.set(xscale="log", xlabel="concurrent users", ylabel="tokens/s", title="throughput")
-    b.set(xscale="log", xlabel="concurrent users", ylabel="x ar", title="speedup over ar")
-    b.axhline(1.0, color="gray", lw=0.8)
-    for ax in (a, b):
+    for ax, ref in zip(ratio_axes, refs):
+        ax.set(xscale="log", xlabel="concurrent users", ylabel=f"x {ref}", title=f"speedup over {ref}")
+        ax.axhline(1.0, color="gray", lw=0.8)
+    for ax in [a, *ratio_axes]:
         ax.set_xticks(levels, [str(u) for u in levels])
         ax.legend()
     fig.tight_layout()
@@ -317,7 +356,12 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--host", default="http://127.0.0.1:8000")
     ap.add_argument("--users", type=int, nargs="+", default=[1, 2, 4, 8, 16])
-    ap.add_argument("--methods", nargs="+", default=["ar", "fly:k=15", "fly:k=3", "fly:k=auto"])
+    ap.add_argument(
+        "--methods",
+        nargs="*",
+        default=["ar", "fly:k=15", "fly:k=3", "fly:k=auto"],
+        help="fly-serve's; none: peers only",
+    )
     ap.add_argument("--duration", type=float, default=45.0, help="seconds users keep sending, per run")
     ap.add_argument(
         "--together",
@@ -329,14 +373,35 @@ def main(argv=None) -> None:
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--check", type=int, default=0, help="greedy outputs to compare with the in-process engine")
     ap.add_argument("--out", default="loadtest/results/sweep")
+    ap.add_argument(
+        "--peer",
+        nargs="+",
+        default=[],
+        metavar="NAME",
+        help="llama.cpp's llama-server beside fly-serve: llama-server, llama-server-draft, llama-server-ngram "
+        "(flags as NAME:flag=value, e.g. llama-server-draft:spec-draft-n-max=8); ratios against the first",
+    )
+    ap.add_argument("--peer-target", default=None, help="the peers' target (a model name or .gguf; default: embedded)")
+    ap.add_argument("--peer-drafter", default=None, help="llama-server-draft's drafter (default: the embedded one)")
+    ap.add_argument("--peer-threads", type=int, default=None, help="the peers' threads (default: this process's cores)")
+    ap.add_argument("--peer-context", type=int, default=4096, help="tokens per peer slot")
     args = ap.parse_args(argv)
     if args.together < 0:
         ap.error(f"--together: a number of bursts, 0 or more (got {args.together})")
     if urlparse(args.host).hostname not in ("127.0.0.1", "localhost"):
         sys.exit(f"--host: only 127.0.0.1 is allowed (got {args.host})")
+    if not args.methods and not args.peer:
+        ap.error("--methods: none given and no --peer: nothing to measure")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    methods = [Method.parse(m) for m in args.methods]
+    with contextlib.ExitStack() as stack:
+        peers = {name: stack.enter_context(server) for name, server in peer_servers(args, ap)}  # started
+        methods = [Method.parse(m) for m in args.methods] + [Method(n, None, s.url) for n, s in peers.items()]
+        sweep(args, methods, out, peers)
+
+
+def sweep(args, methods: list[Method], out: Path, peers: dict[str, LlamaServer]) -> None:
+    """Every user count, every method and peer; the files and the table. Ratios against the first peer."""
     summary: dict = {}
     every: list[Record] = []
     for users in args.users:
@@ -354,14 +419,44 @@ def main(argv=None) -> None:
                 w.writeheader()
                 w.writerows(asdict(r) for r in records)
             print(json.dumps({"users": users, "method": method.name, **s}), flush=True)
-    if args.check:
-        summary["check"] = check(every, args.check, args.max_tokens)
+    levels = dict(summary)
+    if args.check:  # the peers answer from their own servers: only fly-serve's records are checked
+        summary["check"] = check([r for r in every if r.method not in peers], args.check, args.max_tokens)
+    if peers:
+        summary["peers"] = {name: server.command for name, server in peers.items()}
+    peer = next(iter(peers), None)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
-    levels = {u: s for u, s in summary.items() if u != "check"}
-    (out / "summary.md").write_text(table(levels) + "\n")
-    print(table(levels))
-    if "ar" in {m.name for m in methods}:
-        plot(levels, out / "throughput.png")
+    (out / "summary.md").write_text(table(levels, peer) + "\n")
+    print(table(levels, peer))
+    if "ar" in {m.name for m in methods} or peer:
+        plot(levels, out / "throughput.png", peer)
+
+
+def peer_servers(args, ap) -> list[tuple[str, LlamaServer]]:
+    """One llama-server per --peer (not started yet) on the peers' GGUF files, with a slot per
+    user at the largest user count; an unknown peer, a missing binary or file: an argument error."""
+    from fly_serve.loading import gguf_path
+    from fly_serve.weights import DEFAULT_DRAFTER, DEFAULT_TARGET
+
+    out = []
+    for spec in args.peer:
+        try:
+            m = parse_method(spec)
+            if m.kind != "llama-server":
+                raise ValueError(f"{spec!r} is not a llama-server peer (llama-server, llama-server-draft, ...)")
+            draft = m.base == "llama-server-draft"
+            server = LlamaServer(
+                gguf_path(args.peer_target or DEFAULT_TARGET),
+                draft=gguf_path(args.peer_drafter or DEFAULT_DRAFTER) if draft else None,
+                threads=args.peer_threads,
+                slots=max(args.users),
+                context=args.peer_context,
+                flags=m.options,
+            )
+        except (ValueError, LlamaServerMissing) as e:
+            ap.error(f"--peer: {e}")
+        out.append((spec, server))
+    return out
 
 
 if __name__ == "__main__":

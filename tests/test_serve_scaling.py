@@ -158,6 +158,24 @@ def test_load_sweep_bursts_give_every_method_the_same_prompts_in_turns(url, tmp_
     assert "| 3 | fly:k=3 |" in (tmp_path / "summary.md").read_text()
 
 
+def test_load_sweep_puts_llama_server_beside_the_app(url, tmp_path):
+    """The peer (llama-server on tiny:0's GGUF file) in the same bursts as the app's ar, the
+    app's rows with their ratio against it (tests/test_llama_server.py: the peer's own mechanics)."""
+    from fly_bench.llama_server import LlamaServerMissing, find_binary
+
+    try:
+        find_binary()
+    except LlamaServerMissing as e:
+        pytest.skip(f"no llama-server here (scripts/build_llama_server.sh): {e}")
+    args = ["--users", "2", "--methods", "ar", "--peer", "llama-server", "--peer-target", "tiny:0"]
+    summary = sweep(url, tmp_path, *args, "--peer-threads", "1", "--together", "1", "--max-tokens", "6")
+    ar, peer = summary["2"]["ar"], summary["2"]["llama-server"]
+    assert ar["requests"] == peer["requests"] == 2 and ar["failures"] == peer["failures"] == 0
+    table = (tmp_path / "summary.md").read_text()
+    ratio = ar["tokens_per_s"] / peer["tokens_per_s"]
+    assert f"| 2 | ar | {ar['tokens_per_s']:.2f} | 1.00 | 1.00 | {ratio:.2f} |" in table
+
+
 def test_the_readmes_locust_command_runs_from_the_repository_root(url, tmp_path):
     """`locust -f loadtest/locustfile.py --host <url>` as the README shows it, headless and short:
     every request answered (Locust exits 1 on any failure), none failed."""
