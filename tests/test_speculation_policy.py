@@ -931,10 +931,11 @@ def test_free_acceptance_is_kept_apart_and_released_with_the_row():
 
 
 def test_the_engine_drafts_k_auto_rows_from_prompt_lookup_where_the_drafter_does_not_pay(tiny_pair):
-    """A drafter that costs half a target step (the llama.cpp pair on a CPU): a fly k "auto" row
-    whose text repeats drafts its lookups, without a drafter forward, and strict FLy still gives
-    the target's own greedy text."""
-    engine = tiny_auto_engine(tiny_pair, flat_profile(0.035, per_token=0.004, per_forward=0.02))
+    """A drafter forward at 0.7 of a target step (the llama.cpp pair on a CPU: one draft pays only
+    at an acceptance above 0.83, the prior is 0.7): a fly k "auto" row whose text repeats drafts
+    its lookups, without a drafter forward, and strict FLy still gives the target's own greedy
+    text. (At half a step, 0.02 s, one draft would pay at 0.69: the prior alone would run it.)"""
+    engine = tiny_auto_engine(tiny_pair, flat_profile(0.035, per_token=0.004, per_forward=0.025))
     prompt = "abc def ghi abc def ghi abc def ghi abc def ghi abc def"
     params = dict(mode="fly", theta=1.0, k="auto", k_max=8, max_tokens=40, temperature=0.0)
     forwards = engine.drafters["model"].forwards
