@@ -35,6 +35,11 @@ the first peer (tok/s, the same bursts, TTFT). `--methods` with no names runs th
 
     python -m loadtest.load_sweep --users 1 2 4 8 16 --methods ar fly:k=auto --peer llama-server \
         llama-server-draft --together 3 --max-tokens 160
+
+`--prompts code rewrite math ...` sends the named one-prompt tasks (fly_bench.prompts.TASKS)
+instead of the sweep's chats; with `--together N` at 1 user, burst n sends prompt n, and
+summary.md adds a table by prompt (each method's tok/s, and its ratios against ar and the peer on
+that prompt).
 """
 
 import argparse
@@ -56,8 +61,9 @@ from locust.exception import StopUser
 
 from fly_bench.llama_server import LlamaServer, LlamaServerMissing
 from fly_bench.methods import parse_method
-from fly_bench.prompts import SWEEP_CHATS as PROMPTS
+from fly_bench.prompts import SWEEP_CHATS, TASKS
 
+PROMPTS: list[str] = list(SWEEP_CHATS)  # what the users send (--prompts replaces them)
 SPAWN_AT_ONCE = 10_000  # users a second: a burst's users start within milliseconds of each other
 BURST_DEADLINE_S = 900  # a burst's requests unfinished by then count as failures
 
@@ -278,6 +284,38 @@ def table(summary: dict, peer: str | None = None) -> str:
     return "\n".join(lines)
 
 
+def by_prompt(records: list[Record], names: list[str]) -> dict:
+    """{users: {prompt name: {method: tok/s}}}: each method's tokens over the summed latencies of
+    its requests of that prompt (at 1 user, its tokens over its time on that prompt)."""
+    out: dict = {}
+    for r in records:
+        cell = out.setdefault(str(r.users), {}).setdefault(names[r.prompt], {}).setdefault(r.method, [0, 0.0])
+        cell[0] += r.tokens
+        cell[1] += r.latency_s
+    return {
+        u: {p: {m: round(t / s, 3) if s > 0 else 0.0 for m, (t, s) in ms.items()} for p, ms in ps.items()}
+        for u, ps in out.items()
+    }
+
+
+def prompt_table(table_by_prompt: dict, peer: str | None = None) -> str:
+    """One line per (users, prompt, method): tok/s on that prompt, x ar and x the peer on it."""
+    head = "| users | prompt | method | tok/s | x ar |" + (f" x {peer} |" if peer else "")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for users, prompts in table_by_prompt.items():
+        for prompt, rates in prompts.items():
+            for method, tps in rates.items():
+                cells = [users, prompt, method, f"{tps:.2f}", _over(tps, rates.get("ar"))]
+                if peer:
+                    cells.append(_over(tps, rates.get(peer)))
+                lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return "\n".join(lines)
+
+
+def _over(value: float, base: float | None) -> str:
+    return f"{value / base:.2f}" if base else "-"
+
+
 def rate_ratio(s: dict, base: dict) -> str:
     """s's tok/s over base's ("-" without base)."""
     return f"{s['tokens_per_s'] / base['tokens_per_s']:.2f}" if base.get("tokens_per_s") else "-"
@@ -371,6 +409,13 @@ def main(argv=None) -> None:
         help="instead of --duration: N bursts per run, each user sending one request, all arriving together",
     )
     ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument(
+        "--prompts",
+        nargs="+",
+        default=None,
+        choices=sorted(TASKS),
+        help="send these one-prompt tasks (fly_bench.prompts.TASKS) instead of the sweep's chats",
+    )
     ap.add_argument("--check", type=int, default=0, help="greedy outputs to compare with the in-process engine")
     ap.add_argument("--out", default="loadtest/results/sweep")
     ap.add_argument(
@@ -392,6 +437,8 @@ def main(argv=None) -> None:
         sys.exit(f"--host: only 127.0.0.1 is allowed (got {args.host})")
     if not args.methods and not args.peer:
         ap.error("--methods: none given and no --peer: nothing to measure")
+    if args.prompts:
+        PROMPTS[:] = [TASKS[name] for name in args.prompts]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     with contextlib.ExitStack() as stack:
@@ -425,9 +472,13 @@ def sweep(args, methods: list[Method], out: Path, peers: dict[str, LlamaServer])
     if peers:
         summary["peers"] = {name: server.command for name, server in peers.items()}
     peer = next(iter(peers), None)
+    report = table(levels, peer)
+    if args.prompts:
+        summary["by_prompt"] = by_prompt(every, args.prompts)
+        report += "\n\n" + prompt_table(summary["by_prompt"], peer)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
-    (out / "summary.md").write_text(table(levels, peer) + "\n")
-    print(table(levels, peer))
+    (out / "summary.md").write_text(report + "\n")
+    print(report)
     if "ar" in {m.name for m in methods} or peer:
         plot(levels, out / "throughput.png", peer)
 
