@@ -5,7 +5,7 @@ import torch
 
 from .contracts import Drafts, ModelRunner, Row, Verdict
 from .grammar import apply_masks
-from .sampling import Generators, probs, speculative_row
+from .sampling import Generators, keyed_row, probs, speculative_row
 from .verify import entropy, greedy_check, padded, plausibility_from_logits, plausibility_from_probs
 
 
@@ -55,7 +55,7 @@ class ModelScorer:
             if r.sampled and self.sample:  # on the logits' device: only [K]-sized results reach the host
                 nb = int(n[b])
                 p = probs(logits[b, : nb + 1], r.temperature, r.top_p)  # [n+1, V]
-                ok[b], y[b] = speculative_row(p, drafted[b], nb, drafts.q[b], self.generators.get(r))
+                ok[b], y[b] = self._sample_row(r, p, drafted[b], nb, drafts.q[b])
                 d = drafted[b, :nb].to(p.device)
                 support[b, :nb] = (p[torch.arange(nb, device=p.device), d] > 0).cpu()
                 if ratio is not None:
@@ -64,6 +64,16 @@ class ModelScorer:
                     h[b, :nb] = entropy(p[:-1], r.entropy).cpu()
         hits = self.runner.cache.take_hits(keys)  # prefill the prefix cache saved, per row
         return Verdict(ok, y, h, support, top, plausibility=ratio, prefix_hit_tokens=hits)
+
+    def _sample_row(self, r: Row, p: torch.Tensor, drafted: torch.Tensor, n: int, q: torch.Tensor | None):
+        """Speculative sampling of one row. Deterministic drafts (q None) of a strict row draw by
+        position (sampling.keyed_row: the text of a seeded request then does not depend on what
+        the drafts were); a drafter's sampled q, or a row whose FLy window reads later positions
+        to decide an earlier one, draws from the row's stream."""
+        if q is None and not r.entropy:
+            start = r.start + len(r.tokens)  # the sequence position of p[0]'s token
+            return keyed_row(p, drafted, n, lambda i: self.generators.at(r, start + i))
+        return speculative_row(p, drafted, n, q, self.generators.get(r))
 
     @staticmethod
     def _grammar_support(logits: torch.Tensor, drafted: torch.Tensor, masks) -> torch.Tensor:
