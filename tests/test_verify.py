@@ -10,9 +10,10 @@ from hypothesis import strategies as st
 from reference import fly_reference
 
 from fly_serve.build import build_engine
+from fly_serve.contracts import Row
 from fly_serve.params import ParamError, Params
 from fly_serve.request_stats import RequestStats
-from fly_serve.sampling import probs, speculative_row
+from fly_serve.sampling import Generators, keyed_row, probs, speculative_row
 from fly_serve.tiny import tiny_model, tiny_tokenizer
 from fly_serve.verify import (
     decide,
@@ -301,6 +302,25 @@ def test_speculative_sampling_is_lossless():
         ok, y = speculative_row(probs(p_logits, 1.0), d, 1, q, g)
         counts[int(d) if ok[0] else int(y[0])] += 1
     assert (counts / N - p).abs().max() < 0.015
+
+
+def test_keyed_sampling_of_deterministic_drafts_is_lossless_and_draft_free():
+    """A one-hot proposal verified by position-keyed draws: the token emitted at a position is
+    distributed as p whatever the draft, and for one seed it is the same token whatever the draft
+    (what makes a seeded request repeat however the drafts change)."""
+    V, N = 5, 20000
+    p = probs(torch.tensor([[1.0, 0.2, -1.0, 0.5, 0.0], [0.0] * 5]), 1.0)
+
+    def emitted(seed: int, draft: int) -> int:
+        gens, row = Generators(salt=2), Row(key="r", tokens=[1, 2], temperature=1.0, seed=seed)
+        ok, y = keyed_row(p, torch.tensor([draft]), 1, lambda i: gens.at(row, 2 + i))
+        return draft if ok[0] else int(y[0])
+
+    counts = torch.zeros(V)
+    for seed in range(N):
+        counts[emitted(seed, seed % V)] += 1
+    assert (counts / N - p[0]).abs().max() < 0.015
+    assert all(len({emitted(seed, d) for d in range(V)}) == 1 for seed in range(50))
 
 
 def test_top_p():
