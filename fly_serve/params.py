@@ -9,7 +9,8 @@ from dataclasses import dataclass, field, fields
 
 ENTROPIES = ("topk", "full")  # top-3 entropy in nats (authors' code, vLLM port); normalized full-vocab (paper)
 WINDOW_RULES = ("paper", "authors")  # paper: W positions after j; authors' code: W - 1 (both need j + W <= K)
-MAX_SEED = 2**63 - 1
+MAX_SEED = 2**63 - 1  # seeds are any int64: [-2**63, 2**63 - 1]
+MIN_SEED = -(2**63)
 # A temperature below this is greedy (as vLLM's _SAMPLING_EPS): dividing logits by a subnormal
 # temperature overflows to inf and the softmax to NaN, and no sampler can draw from that.
 SAMPLING_EPS = 1e-5
@@ -167,6 +168,10 @@ class Params:
             bad("mode", f"must be one of {', '.join(MODES)}")
         if not is_int(self.max_tokens) or self.max_tokens < 1:
             bad("max_tokens", "must be an integer >= 1")
+        if prompt_len >= max_model_len:  # the prompt alone leaves no room: its fault, whatever max_tokens
+            raise ParamError(
+                "prompt", f"{prompt_len} tokens leave no room in the context window of {max_model_len} tokens"
+            )
         if prompt_len + self.max_tokens > max_model_len:
             bad(
                 "max_tokens",
@@ -198,8 +203,8 @@ class Params:
             self.stop = [self.stop]
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             bad("stop", "must be a non-empty string or a list of them")
-        if self.seed is not None and (not is_int(self.seed) or abs(self.seed) > MAX_SEED):
-            bad("seed", f"must be an integer of magnitude <= {MAX_SEED}")
+        if self.seed is not None and (not is_int(self.seed) or not MIN_SEED <= self.seed <= MAX_SEED):
+            bad("seed", f"must be an int64, in [{MIN_SEED}, {MAX_SEED}]")
         if not isinstance(self.mla, bool):
             bad("mla", "must be true or false")
         if self.response_format is not None and not isinstance(self.response_format, dict):

@@ -5,6 +5,8 @@ A raw completion starts with the tokenizer's BOS token where it defines one and 
 without <|begin_of_text|> the model sees text it was never trained to continue); Qwen defines none.
 A chat prompt gets none here: the template renders its own (Llama's starts with {{ bos_token }})."""
 
+import jinja2
+
 from .params import ParamError
 
 
@@ -39,10 +41,15 @@ def completion_prompt(tokenizer, text: str, field: str = "prompt") -> list[int]:
 
 
 def chat_text(tokenizer, messages: list[dict]) -> str:
-    """The conversation rendered with the model's chat template, ready for the reply."""
+    """The conversation rendered with the model's chat template, ready for the reply. A template
+    that refuses the conversation (roles that do not alternate, a role it does not know: its
+    raise_exception) refuses the request's messages, naming them."""
     for i, m in enumerate(messages):
         check_text(m["content"], f"messages.{i}.content")
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except jinja2.TemplateError as e:
+        raise ParamError("messages", f"the model's chat template refused them: {e}") from None
 
 
 def chat_prompt(tokenizer, text: str) -> list[int]:
