@@ -33,7 +33,7 @@ from .contracts import Drafter, Drafts, RoundResult, Row, RowGrammar, Scorer
 from .detokenizer import IncrementalText, find_stop, held_back
 from .draft_ahead import Ahead, Stages, bets
 from .drafters import LookupDrafter, PromptLookup, SourceDrafter
-from .grammar import Grammars, Matcher
+from .grammar import GrammarFailed, Grammars, Matcher
 from .params import ParamError, Params
 from .request_stats import RequestStats
 from .round_cost import MODEL, NONE, PLD, RECYCLE, SUFFIX, CostProfile
@@ -623,8 +623,12 @@ class Engine:
             if t in self.eos_ids:
                 new, req.finish_reason = new[:i], "stop"
                 break
-        if req.matcher is not None:  # first: a token it refuses raises before the row changed
-            req.matcher.accept(new)
+        if req.matcher is not None:  # first: a token it refuses fails the request before the row changed
+            try:
+                req.matcher.accept(new)
+            except GrammarFailed as e:  # the grammar library gave up midway: this request alone ends
+                req.finish_reason, req.error = "error", str(e)
+                return 0
             if req.matcher.done and not req.finished:  # nothing but EOS can follow
                 req.finish_reason = "stop"
         req.tokens.extend(new)

@@ -12,6 +12,13 @@ enums, anyOf/oneOf, pattern, $ref); llguidance compiles a schema in 1-2 ms again
 ms (a schema per request: this is time to first token), and its mask, 0.07-0.5 ms a position, is
 well under 1% of a target forward here; it is one small wheel with no torch dependency, where
 xgrammar pulls triton (docs/BENCHMARKS.md, "Structured output").
+
+llguidance builds its lexer lazily, so a grammar it accepts may still fail on the first tokens
+(a regex of a million repetitions: "too many expressions constructed"), and a grammar that no
+text completes (`start: x`, `x: x`; a schema whose $refs only loop) is found only at its first
+mask. `Grammars.check` therefore compiles a request's grammar and walks a few tokens along it
+before the request is admitted, so that these are the request's 400; a matcher that fails later
+raises `GrammarFailed`, and its request fails alone (never a 200 with what came before).
 """
 
 import json
@@ -30,10 +37,128 @@ log = logging.getLogger("fly_serve.grammar")
 # random tiny one) cannot spend max_tokens on blanks, and every output parses as it stands.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+# The library's own limits, but errors without its parser state and the grammar in them: their
+# first line goes to the client, and the grammar is the client's own data.
+LIMITS = llguidance.LLParserLimits(verbose_errors=False)
+# Tokens a grammar is walked along before its request is admitted (Grammars.check): the lazily
+# built lexer meets a grammar it cannot follow on the first of them, for a few milliseconds.
+PROBE_TOKENS = 8
+# The library reads a grammar as JSON nested at most 128 levels deep (serde_json's limit; its
+# wrapper takes 3); a schema nesting deeper has its subschemas below this depth moved to $defs.
+LIBRARY_DEPTH = 124
+MOVE_BELOW = 32
+
+
+class GrammarFailed(RuntimeError):
+    """The grammar library gave up on a request's grammar midway (a limit, a dead end): that
+    request cannot go on; the others are not affected."""
+
+
+def _first_line(error: str) -> str:
+    return error.strip().splitlines()[0] if error.strip() else "unknown error"
+
+
+def _why(error: str) -> str:
+    """The library's error as the client reads it: a grammar that nothing completes said so."""
+    line = _first_line(error)
+    if line.startswith("NoExtension"):
+        return "no text matches it (it can never be completed)"
+    return f"refused by the grammar library: {line}"
+
+
+def json_depth(value) -> int:
+    """How deep JSON containers nest in value (a scalar: 0), without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        v, d = stack.pop()
+        children = v.values() if isinstance(v, dict) else v if isinstance(v, list) else None
+        if children is not None:
+            deepest = max(deepest, d)
+            stack.extend((c, d + 1) for c in children)
+    return deepest
+
+
+# Where a JSON schema holds subschemas: one, a map of them, a list of them (draft 2020-12's
+# keywords, and draft 4-7's "definitions", "dependencies" and "items"/"additionalItems" forms)
+ONE_SCHEMA = (
+    "additionalProperties", "items", "additionalItems", "not", "if", "then", "else", "contains",
+    "propertyNames", "unevaluatedProperties", "unevaluatedItems",
+)  # fmt: skip
+SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "dependencies")
+SCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
+
+
+def _subschemas(node: dict):
+    """(container, key, path within node) of every subschema position directly in a schema node."""
+    for word in ONE_SCHEMA:
+        if isinstance(node.get(word), dict):
+            yield node, word, (word,)
+    for word in SCHEMA_MAPS:
+        if isinstance(node.get(word), dict):
+            for name, sub in node[word].items():
+                if isinstance(sub, dict):
+                    yield node[word], name, (word, name)
+    for word in SCHEMA_LISTS:
+        if isinstance(node.get(word), list):
+            for i, sub in enumerate(node[word]):
+                if isinstance(sub, dict):
+                    yield node[word], i, (word, str(i))
+
+
+def _pointer(path: tuple) -> str:
+    return "#" + "".join("/" + p.replace("~", "~0").replace("/", "~1") for p in path)
+
+
+def shallow_schema(schema):
+    """The same schema nesting at most LIBRARY_DEPTH levels where it can: every subschema more
+    than MOVE_BELOW levels below the one it hangs from is moved to the root's $defs and referred
+    to from where it was, and every $ref into a moved part is pointed at its new place. What a
+    schema nests that is no subschema (an enum's values) stays, and is refused if still too deep."""
+    if not isinstance(schema, dict) or json_depth(schema) <= LIBRARY_DEPTH:
+        return schema
+    root = json.loads(json.dumps(schema))  # a copy to rewrite (C code: no Python recursion)
+    defs = root.setdefault("$defs", {})
+    moved: dict[str, str] = {}  # the pointer a moved subschema had -> its pointer now
+    stack = [(root, (), 0)]  # (schema node, its original path, its depth below its segment's top)
+    while stack:
+        node, path, depth = stack.pop()
+        for container, key, rel in _subschemas(node):
+            sub, sub_path = container[key], path + rel
+            sub_depth = depth + len(rel)
+            if sub_depth > MOVE_BELOW:
+                name = f"fly_moved_{len(moved)}"
+                while name in defs:
+                    name += "_"
+                defs[name], container[key] = sub, {"$ref": f"#/$defs/{name}"}
+                moved[_pointer(sub_path)] = f"#/$defs/{name}"
+                sub_depth = 0
+            stack.append((sub, sub_path, sub_depth))
+    _repoint(root, moved)
+    return root
+
+
+def _repoint(root: dict, moved: dict[str, str]) -> None:
+    """Every "$ref" into a moved subschema, pointed at its new place (the longest moved prefix:
+    the innermost move)."""
+    stack = [root]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, dict):
+            ref = v.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#/"):
+                hits = [old for old in moved if ref == old or ref.startswith(old + "/")]
+                if hits:
+                    old = max(hits, key=len)
+                    v["$ref"] = moved[old] + ref[len(old) :]
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
 
 
 def _schema_of(response_format) -> dict | bool | None:
-    """The JSON schema an OpenAI `response_format` asks for (None: plain text)."""
+    """The JSON schema an OpenAI `response_format` asks for (None: plain text). A json_schema
+    format must carry its schema, as it must carry its json_schema object: for any JSON,
+    {"type": "json_object"} says so."""
     if not isinstance(response_format, dict):
         raise ParamError("response_format", "must be an object with a `type`")
     kind = response_format.get("type")
@@ -48,10 +173,28 @@ def _schema_of(response_format) -> dict | bool | None:
         raise ParamError("response_format", "json_schema: must be an object with a `schema`")
     if "name" in spec and not isinstance(spec["name"], str):
         raise ParamError("response_format", "json_schema.name: must be a string")
-    schema = spec.get("schema", {})
+    if "schema" not in spec:
+        raise ParamError("response_format", 'json_schema.schema: required (for any JSON: {"type": "json_object"})')
+    schema = spec["schema"]
     if not isinstance(schema, dict | bool):
         raise ParamError("response_format", "json_schema.schema: must be a JSON schema (an object)")
     return schema
+
+
+def _schema_grammar(schema) -> str:
+    """llguidance's grammar of a JSON schema (shallow_schema first: the library reads 128 levels)."""
+    try:
+        schema = shallow_schema(schema)
+    except RecursionError:  # past Python's own limit (the body parser refuses such JSON first)
+        raise ParamError("response_format", "json_schema.schema: nested too deeply") from None
+    if json_depth(schema) > LIBRARY_DEPTH:
+        raise ParamError(
+            "response_format", f"json_schema.schema: nests data deeper than {LIBRARY_DEPTH} levels (enum, const)"
+        )
+    try:
+        return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_OPTIONS)
+    except ValueError as e:
+        raise ParamError("response_format", f"not a JSON schema: {e}") from None
 
 
 def grammar_of(response_format=None, regex: str | None = None, grammar: str | None = None) -> tuple[str, str] | None:
@@ -68,19 +211,16 @@ def grammar_of(response_format=None, regex: str | None = None, grammar: str | No
         schema = _schema_of(value)
         if schema is None:
             return None
-        try:
-            text = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_OPTIONS)
-        except ValueError as e:
-            raise ParamError(name, f"not a JSON schema: {e}") from None
+        text = _schema_grammar(schema)
     elif not isinstance(value, str) or not value:
         raise ParamError(name, "must be a non-empty string")
     elif name == "regex":
         text = llguidance.LLMatcher.grammar_from_regex(value)
     else:
         text = llguidance.LLMatcher.grammar_from_lark(value)
-    error = llguidance.LLMatcher.validate_grammar(text)
+    error = llguidance.LLMatcher.validate_grammar(text, limits=LIMITS)
     if error and not error.startswith("WARNING"):
-        raise ParamError(name, f"refused by the grammar library: {error}")
+        raise ParamError(name, f"refused by the grammar library: {_first_line(error)}")
     return name, text
 
 
@@ -103,20 +243,26 @@ def apply_masks(logits: torch.Tensor, masks: list[torch.Tensor | None] | None) -
 
 
 class Matcher:
-    """A request's grammar state after its committed tokens."""
+    """A request's grammar state after its committed tokens. Once the library has given up on
+    the grammar (Grammars.check walks a few tokens to find most such grammars first), every
+    step raises GrammarFailed."""
 
     def __init__(self, tokenizer: llguidance.LLTokenizer, grammar: str, eos_ids: set[int]):
-        self.m = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+        self.m = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=LIMITS)
         if self.m.is_error():
-            raise ParamError("grammar", self.m.get_error())
+            raise ParamError("grammar", _first_line(self.m.get_error()))
         self.text, self.eos_ids = grammar, eos_ids
         self.pushed = 0  # tokens consumed tentatively (push), undone by pop
+
+    def _sound(self) -> None:
+        if self.m.is_error():
+            raise GrammarFailed(f"the grammar library gave up: {_why(self.m.get_error())}")
 
     def accept(self, tokens: list[int]) -> None:
         """Commit tokens (already allowed by the masks); EOS ends the sequence, it is not fed."""
         tokens = [t for t in tokens if t not in self.eos_ids]
         if tokens and not self.m.consume_tokens(tokens):
-            raise RuntimeError(f"grammar refused a committed token: {self.m.get_error()}")
+            raise GrammarFailed(f"grammar refused a committed token: {_why(self.m.get_error())}")
 
     @property
     def done(self) -> bool:
@@ -125,7 +271,12 @@ class Matcher:
 
     def mask(self) -> torch.Tensor:
         """The allowed tokens at the next position, a bitmask [W] int32."""
-        return torch.frombuffer(bytearray(self.m.compute_bitmask()), dtype=torch.int32)
+        bits = self.m.compute_bitmask()
+        self._sound()  # a failed mask allows EOS alone: a "stop" the grammar never reached
+        return torch.frombuffer(bytearray(bits), dtype=torch.int32)
+
+    def allows(self, mask: torch.Tensor, token: int) -> bool:
+        return bool((int(mask[token >> 5]) >> (token & 31)) & 1)
 
     def plan(self, drafts: list[int]) -> tuple[int, torch.Tensor]:
         """(how many leading drafts the grammar allows, the masks [m, W] of positions 0..m-1 along
@@ -135,7 +286,7 @@ class Matcher:
         for t in drafts:
             mask = self.mask()
             masks.append(mask)
-            if not (int(mask[t >> 5]) >> (t & 31)) & 1:
+            if not self.allows(mask, t):
                 break
             legal += 1
             if t in self.eos_ids:
@@ -145,6 +296,22 @@ class Matcher:
             masks.append(self.mask())
         self.m.rollback(legal - (1 if legal and drafts[legal - 1] in self.eos_ids else 0))
         return legal, torch.stack(masks)
+
+    def probe(self, steps: int) -> None:
+        """Walk up to `steps` tokens along the grammar (each the lowest id it allows but EOS), on
+        a copy: the lexer and parser build what the first tokens need, and a grammar the library
+        cannot follow, or that nothing completes, raises GrammarFailed here."""
+        walker = self.m.deep_copy()
+        for _ in range(steps):
+            bits = walker.compute_bitmask()
+            if walker.is_error():
+                raise GrammarFailed(_why(walker.get_error()))
+            allowed = torch.nonzero(unpack(torch.frombuffer(bytearray(bits), dtype=torch.int32), 1 << 31))
+            token = next((t for t in allowed.flatten().tolist() if t not in self.eos_ids), None)
+            if token is None or walker.is_stopped():  # complete: nothing but EOS may follow
+                return
+            if not walker.consume_token(token) or walker.is_error():
+                raise GrammarFailed(_why(walker.get_error()))
 
     def until_eos(self, tokens: list[int]) -> int:
         """How many leading tokens come before the first EOS (all of them without one)."""
@@ -161,7 +328,7 @@ class Matcher:
         end = self.until_eos(tokens)
         n = self.m.validate_tokens(tokens[:end]) if end else 0
         if n and not self.m.consume_tokens(tokens[:n]):
-            raise RuntimeError(f"grammar refused a validated token: {self.m.get_error()}")
+            raise GrammarFailed(f"grammar refused a validated token: {_why(self.m.get_error())}")
         self.pushed += n
         return n
 
@@ -193,8 +360,10 @@ class Grammars:
         except Exception:
             log.warning("structured output unavailable: llguidance cannot read this tokenizer", exc_info=True)
 
-    def matcher(self, params) -> Matcher | None:
-        """The request's matcher, None when unconstrained; ParamError names the field at fault."""
+    def matcher(self, params, probe_tokens: int = 0) -> Matcher | None:
+        """The request's matcher, None when unconstrained; ParamError names the field at fault.
+        Its first mask is computed here: a grammar that nothing completes is refused now.
+        probe_tokens: walk that many tokens along it too (Matcher.probe)."""
         asked = grammar_of(params.response_format, params.regex, params.grammar)
         if asked is None:
             return None
@@ -204,11 +373,21 @@ class Grammars:
         except Exception as e:
             raise ParamError(name, f"structured output is not available with this tokenizer ({e})") from None
         try:
-            return Matcher(tokenizer, text, self.eos_ids)
+            m = Matcher(tokenizer, text, self.eos_ids)
+            m.probe(max(probe_tokens, 1))
+            return m
         except ParamError as e:
             raise ParamError(name, f"refused by the grammar library: {e.message}") from None
+        except GrammarFailed as e:
+            raise ParamError(name, str(e)) from None
         except ValueError as e:  # llguidance raises on a grammar it cannot build for this tokenizer
             raise ParamError(name, f"refused by the grammar library: {e}") from None
+
+    def check(self, params) -> None:
+        """What admission would refuse of the request's grammar, and what the library cannot
+        follow along its first PROBE_TOKENS tokens: ParamError naming the field (the ingress
+        calls this in a worker thread, before the request reaches the engine thread)."""
+        self.matcher(params, PROBE_TOKENS)
 
 
 class DraftMatchers:
