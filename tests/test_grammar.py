@@ -164,6 +164,44 @@ def test_a_refused_grammar_names_its_field(fields, named):
     assert e.value.field == named
 
 
+def test_a_grammar_the_library_gives_up_on_midway_fails_its_request_alone():
+    """A dead end past the tokens admission walks (12 a's, then a rule no text completes): the
+    request ends with an error, never a "stop" the grammar did not reach; the one beside it is
+    unaffected."""
+    eng = engine()
+    eng.eos_ids = {EOS}
+    dead_end = dict(mode="ar", max_tokens=30, grammar='start: "aaaaaaaaaaaa" x\nx: x')
+    bad, good = eng.generate([PROMPTS[0], PROMPTS[1]], [dead_end, dict(mode="fly", k=4, max_tokens=20)])
+    assert bad.finish_reason == "error" and "no text matches it" in bad.error, (bad.finish_reason, bad.error)
+    assert good.finish_reason == "length" and len(good.generated) == 20
+
+
+def test_a_deep_schema_is_moved_into_defs_and_means_the_same():
+    """Past the library's 128 levels, subschemas move to $defs and every $ref into them follows:
+    the schema accepts and refuses what the original does."""
+    from fly_serve.grammar import LIBRARY_DEPTH, json_depth, shallow_schema
+
+    def nested(levels: int, leaf) -> dict:
+        for _ in range(levels):
+            leaf = {"type": "object", "properties": {"a": leaf}, "required": ["a"]}
+        return leaf
+
+    def value(levels: int, leaf):
+        for _ in range(levels):
+            leaf = {"a": leaf}
+        return leaf
+
+    schema = nested(300, {"type": "integer"})
+    schema["properties"]["b"] = {"$ref": "#" + "/properties/a" * 150}  # into what will move
+    flat = shallow_schema(schema)
+    assert json_depth(schema) > LIBRARY_DEPTH >= json_depth(flat)
+    good, bad = value(300, 1) | {"b": value(150, 2)}, value(300, 1) | {"b": value(150, "x")}
+    for s in (schema, flat):
+        assert jsonschema.Draft202012Validator(s).is_valid(good)
+        assert not jsonschema.Draft202012Validator(s).is_valid(bad)
+    assert shallow_schema(SCHEMAS[0]) is SCHEMAS[0]  # a schema the library reads as it is stays as it is
+
+
 def test_plan_cuts_at_the_first_refused_token_and_rolls_back():
     grammars = Grammars(tiny_tokenizer(), 259, {EOS})
     m = grammars.matcher(Params(regex="ab+c"))
