@@ -55,6 +55,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import gevent
+import huggingface_hub.hf_api  # noqa: F401  (before locust: see below)
 from locust import HttpUser, constant, task
 from locust.env import Environment
 from locust.exception import StopUser
@@ -62,6 +63,11 @@ from locust.exception import StopUser
 from fly_bench.llama_server import LlamaServer, LlamaServerMissing
 from fly_bench.methods import parse_method
 from fly_bench.prompts import SWEEP_CHATS, TASKS
+
+# `import locust` patches the process for gevent, which takes select.epoll away; huggingface_hub
+# (2.4 on, through httpx2) imports trio, which needs it at import. So the hub is imported first
+# (above, in isort's order: h before l), and transformers (fly_serve.weights, the --check engine)
+# finds it loaded.
 
 PROMPTS: list[str] = list(SWEEP_CHATS)  # what the users send (--prompts replaces them)
 SPAWN_AT_ONCE = 10_000  # users a second: a burst's users start within milliseconds of each other

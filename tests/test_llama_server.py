@@ -133,7 +133,7 @@ def test_load_sweep_peer_on_the_tiny_gguf(binary, tmp_path):
     args = ["--methods", "--peer", "llama-server", "llama-server-draft", "--peer-target", "tiny:0"]
     args += ["--peer-drafter", "tiny:1", "--peer-threads", "1", "--peer-context", "256"]
     args += ["--users", "1", "2", "--together", "1", "--max-tokens", "6", "--out", str(tmp_path)]
-    args += ["--prompts", "code", "rewrite"]  # TASKS by name: user j of a burst sends prompt j
+    args += ["--prompts", "code", "multilingual"]  # TASKS by name: user j of a burst sends prompt j
     done = subprocess.run(
         [sys.executable, "-m", "loadtest.load_sweep", *args], cwd=ROOT, capture_output=True, text=True, timeout=300
     )
@@ -157,8 +157,8 @@ def test_load_sweep_peer_on_the_tiny_gguf(binary, tmp_path):
         in (table)
     )
     by_prompt = summary["by_prompt"]  # 1 user: code only; 2 users: one request of each
-    assert list(by_prompt["1"]) == ["code"] and sorted(by_prompt["2"]) == ["code", "rewrite"]
-    for users, prompt in (("1", "code"), ("2", "code"), ("2", "rewrite")):
+    assert list(by_prompt["1"]) == ["code"] and sorted(by_prompt["2"]) == ["code", "multilingual"]
+    for users, prompt in (("1", "code"), ("2", "code"), ("2", "multilingual")):
         rates = by_prompt[users][prompt]
         assert set(rates) == {"llama-server", "llama-server-draft"} and min(rates.values()) > 0
         ratio = rates["llama-server-draft"] / rates["llama-server"]
