@@ -14,6 +14,9 @@ from .placement import DEFAULT_TP_WORKER_OPTIONS
 
 KV_BLOCK_TOKENS = 16  # the KV cache's block size: a smaller budget holds no block
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20
+# A request body must have come whole within this (a body of max_body_bytes, 4 MiB, needs ~1.7
+# Mbit/s): a client that declares a body and sends it drop by drop must hold a handler no longer
+DEFAULT_BODY_TIMEOUT_S = 20.0
 DEFAULT_MAX_WAITING = 32
 DEFAULT_CALL_TIMEOUT_S = 120.0
 DEFAULT_STUCK_ROUND_S = 1200.0
@@ -85,6 +88,7 @@ class AppArgs(BaseModel):
     # an engine-loop round running longer means the loop is stuck: the ingress is unhealthy
     stuck_round_s: float = timeout(DEFAULT_STUCK_ROUND_S, "stuck_round_s", "round_timeout_s")
     max_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, gt=0)  # a larger request body gets 413
+    body_timeout_s: float = timeout(DEFAULT_BODY_TIMEOUT_S)  # a body not all read by then gets 408
     # The target replica's own limits: one verify / release on every TP rank (past it the group is
     # rebuilt; keep it <= call_timeout_s so the target fails the call before its caller gives up),
     # a rank's answer to a health ping, and a TP group's start (load + join).

@@ -146,6 +146,14 @@ class EngineLoop:
         self._post(_Submit(prompt, params, request_id, sink, fut, time.monotonic() if arrival is None else arrival))
         return fut
 
+    def check_grammar(self, params: dict) -> None:
+        """ParamError for a request's structured output that admission would refuse or that the
+        grammar library cannot follow along its first tokens (grammar.Grammars.check). Runs on
+        the caller's thread (a worker thread of the ingress): a grammar that takes the library
+        long to refuse costs the engine thread nothing. Reads only what does not change once the
+        engine is built (its defaults, its grammar side)."""
+        self.engine.grammars.check(self.engine.defaults.merged(params))
+
     def abort(self, request_id: str) -> None:
         """Idempotent: aborting a finished or unknown request does nothing."""
         self._post(_Abort(request_id))

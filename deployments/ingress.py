@@ -9,11 +9,13 @@ beats two processes taking turns on the same cores.
 
 What runs before a handler is middleware.py (request ids, the API key, exceptions to OpenAI error
 bodies and the failure metric, errors.py). A generation's way through its handler, each step able
-to end it with an error that carries the request id: draining / loading / unhealthy / at capacity
-(503 with Retry-After, at once), the body's size (413, before it is read), its shape (400 naming
-the field), the prompt tokenized in a worker thread (tokenization.py, 400), admission by the
-engine loop (400), then the generation, collected or streamed (sse.py). A client that leaves at
-any step takes its request out of the engine. Whether the parts are sound is health.py's.
+to end it with an error that carries the request id: draining / loading / unhealthy (503 with
+Retry-After, at once), the body's size (413, before it is read) and its time (408 past
+body_timeout_s), its shape (400 naming the field), at capacity (503: a slot is taken only for a
+body read and parsed, so a slow client holds none), the prompt tokenized and its grammar compiled
+in worker threads (tokenization.py, grammar.py, 400), admission by the engine loop (400), then the
+generation, collected or streamed (sse.py). A client that leaves at any step takes its request out
+of the engine. Whether the parts are sound is health.py's.
 """
 
 import asyncio
@@ -27,6 +29,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
+from starlette.requests import ClientDisconnect
 
 from fly_serve.build import assemble_engine, load_drafter, load_scorer
 from fly_serve.devices import device_for
@@ -104,10 +107,11 @@ class Ingress:
     def __init__(self, target_handle, drafter_handle=None, *, args: AppArgs):
         serve_at_priority(args.serving_nice)  # first: the engine loop and drafter threads inherit it
         config = args.engine_config()
-        self.model_name, self.call_timeout_s, self.max_body_bytes = (
+        self.model_name, self.call_timeout_s, self.max_body_bytes, self.body_timeout_s = (
             args.model_name,
             args.call_timeout_s,
             args.max_body_bytes,
+            args.body_timeout_s,
         )
         self.metrics = ServingMetrics()
         self.errors = ErrorAnswers(self.metrics)
@@ -273,13 +277,15 @@ class Ingress:
         ids: Ids = request.state.ids
         rid, arrival = ids.engine, time.monotonic()
         await self._admissible()
+        # The body is read (within body_timeout_s) and parsed before a slot is taken: a client
+        # that sends its body slowly, or never, holds no place of the engine's meanwhile.
+        body = await self._parse(request, ChatRequest if chat else CompletionRequest)
         if not self.slots.take(rid):
             raise unavailable(
                 f"the server is at capacity ({self.slots.capacity} requests in flight); retry later", "overloaded"
             )
         streaming = False
         try:
-            body = await self._parse(request, ChatRequest if chat else CompletionRequest)
             if body.model not in (None, self.model_name):
                 raise ApiError(
                     404,
@@ -290,6 +296,9 @@ class Ingress:
             try:
                 params = body.params()
                 prompt = await asyncio.to_thread(self.prompts.prompt_ids, body, chat)
+                # a grammar is compiled and tried here, in a worker thread: one the library
+                # cannot follow is this request's 400, and never costs the engine thread its time
+                await asyncio.to_thread(self.loop.check_grammar, params)
             except ParamError as e:
                 raise ApiError(400, str(e), body.client_field(e.field)) from None
             updates = await self._submit(ids, body, prompt, params, arrival)
@@ -324,26 +333,40 @@ class Ingress:
 
     async def _parse(self, request: Request, model: type) -> ChatRequest | CompletionRequest:
         """The request model; parsed in a worker thread, as a body of megabytes takes a while."""
-        raw = await self._read_body(request)
+        raw = await self._read_body(request, request.state.ids)
         try:
             return await asyncio.to_thread(parse_body, raw, model)
         except BodyError as e:
             raise ApiError(400, e.message, e.param) from None
 
-    async def _read_body(self, request: Request) -> bytes:
-        """The body, refused with 413 past max_body_bytes: from Content-Length before reading
-        anything, else while reading."""
+    async def _read_body(self, request: Request, ids: Ids) -> bytes:
+        """The body, refused with 413 past max_body_bytes (from Content-Length before reading
+        anything, else while reading), and with 408 when it has not all come within
+        body_timeout_s (a client that declares a body and sends it slowly, or never). A client
+        that leaves meanwhile is ClientDisconnect, however the transport said so: a 499 nobody
+        reads, one line in the log, no traceback (errors.ErrorAnswers)."""
         limit = self.max_body_bytes
         too_large = ApiError(413, f"body: larger than the limit of {limit} bytes", code="request_too_large")
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > limit:
             raise too_large
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise too_large
-            chunks.append(chunk)
+        try:
+            async with asyncio.timeout(self.body_timeout_s):
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > limit:
+                        raise too_large
+                    chunks.append(chunk)
+        except TimeoutError:
+            raise ApiError(
+                408, f"body: not received within {self.body_timeout_s:g} s", code="request_timeout"
+            ) from None
+        except (ApiError, ClientDisconnect):
+            raise
+        except Exception as e:  # what Serve's receive met fetching the body from its proxy: the client left
+            log.info("fly: request %s: its client left before its body was read (%s)", ids.client_id, type(e).__name__)
+            raise ClientDisconnect() from None
         return b"".join(chunks)
 
     async def _submit(self, ids: Ids, body, prompt: list[int], params: dict, arrival: float) -> asyncio.Queue:

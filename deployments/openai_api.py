@@ -4,7 +4,9 @@ Unknown top-level fields are ignored (clients send many); the `fly` object is st
 mistyped knob silently ignored would measure the wrong thing. Every field is parsed strictly, as
 OpenAI's API does: a number is a JSON number (not "0.5", not true), an integer has no fraction.
 OpenAI fields that this server does not apply are still checked (`NotApplied`), so that a value
-OpenAI would refuse is refused here too, naming the field. Bodies are parsed here, not
+OpenAI would refuse is refused here too, naming the field; and a field that would change the
+output (OpenAI's or vLLM's: top_k, tools, suffix ...) is a 400 naming it unless its value is the
+neutral one (`UNAPPLIED`), as vLLM answers for what it does not support. Bodies are parsed here, not
 by FastAPI, so that the ingress can check their size and the caller's key before any parsing.
 Error bodies carry only what the client needs (field, reason, request id): `clean()` keeps
 control characters, escapes and unencodable text out of them.
@@ -14,6 +16,7 @@ import json
 import re
 import time
 import typing
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 from pydantic.json_schema import models_json_schema
@@ -44,25 +47,72 @@ class StreamOptions(BaseModel):
 
 
 class NotApplied(BaseModel):
-    """OpenAI fields accepted and not applied (README, "Serving"): checked as OpenAI checks them;
-    a value that would change the output (logprobs, logit_bias, echo, best_of > 1) is a 400
-    naming the field rather than an answer that silently lacks it."""
+    """OpenAI fields accepted and checked as OpenAI checks them, and not applied: a value that
+    would change the output is refused by `refuse_unapplied` (UNAPPLIED), naming the field,
+    rather than answered without it."""
 
     model_config = STRICT
-    presence_penalty: float | None = Field(None, ge=-2, le=2)  # not applied
-    frequency_penalty: float | None = Field(None, ge=-2, le=2)  # not applied
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
     user: str | None = None
     logit_bias: dict[str, float] | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool | None = None
     best_of: int | None = Field(None, ge=1, le=20)
 
-    def refuse_unsupported(self, logprobs) -> None:
-        for name, value in (("logprobs", logprobs), ("logit_bias", self.logit_bias), ("echo", self.echo)):
-            if value:
-                raise ParamError(name, "not supported by this server")
-        if self.best_of not in (None, 1):
-            raise ParamError("best_of", "only best_of=1 is supported")
+
+NOT_SUPPORTED = "not supported by this server"
+STRUCTURED = "not supported here; use response_format, fly.regex or fly.grammar"
+# Fields (OpenAI's, and vLLM's extras) that change the output and that this server does not
+# apply, each with its neutral values (absent, null or one of these: accepted) and why any other
+# value is refused. Fields that change nothing of the output (user, service_tier ...) stay ignored.
+UNAPPLIED: dict[str, tuple[tuple, str]] = {
+    "logprobs": ((False, 0), NOT_SUPPORTED),
+    "top_logprobs": ((), "needs logprobs, which this server does not support"),
+    "logit_bias": (({},), NOT_SUPPORTED),
+    "echo": ((False,), NOT_SUPPORTED),
+    "best_of": ((1,), "only best_of=1 is supported"),
+    "presence_penalty": ((0,), "not supported by this server (only 0)"),
+    "frequency_penalty": ((0,), "not supported by this server (only 0)"),
+    "repetition_penalty": ((1,), "not supported by this server (only 1)"),
+    "top_k": ((-1, 0), "not supported by this server (only -1 or 0: no top-k cut)"),
+    "min_p": ((0,), "not supported by this server (only 0)"),
+    "suffix": (("",), NOT_SUPPORTED),
+    "functions": (([],), "function calling is not supported by this server"),
+    "function_call": (("none", "auto"), "function calling is not supported by this server"),
+    "regex": ((), "a field of the `fly` object here: send it as fly.regex"),
+    "grammar": ((), "a field of the `fly` object here: send it as fly.grammar"),
+    "guided_json": ((), STRUCTURED),
+    "guided_regex": ((), STRUCTURED),
+    "guided_choice": ((), STRUCTURED),
+    "guided_grammar": ((), STRUCTURED),
+    "structured_outputs": ((), STRUCTURED),
+    "min_tokens": ((0,), NOT_SUPPORTED),
+    "ignore_eos": ((False,), NOT_SUPPORTED),
+    "stop_token_ids": (([],), NOT_SUPPORTED),
+    "bad_words": (([],), NOT_SUPPORTED),
+    "allowed_token_ids": ((), NOT_SUPPORTED),
+    "prompt_logprobs": ((), NOT_SUPPORTED),
+}
+TOOLS = 'tool calling is not supported by this server (only tool_choice "none")'
+
+
+def neutral(value, values: tuple) -> bool:
+    """The value leaves the output as it is: null, or one of `values` (true is not 1, false not 0)."""
+    return value is None or any(value == v and isinstance(value, bool) == isinstance(v, bool) for v in values)
+
+
+def refuse_unapplied(obj: dict) -> None:
+    """BodyError naming the first field that would change the output and is not applied here.
+    Tools: with tool_choice "none" the model is not to call them, so they change nothing."""
+    for name, (values, why) in UNAPPLIED.items():
+        if not neutral(obj.get(name), values):
+            raise BodyError(f"{name}: {why}", name)
+    choice = obj.get("tool_choice")
+    if obj.get("tools") and choice != "none":
+        raise BodyError(f"tools: {TOOLS}", "tools" if choice in (None, "auto") else "tool_choice")
+    if not neutral(choice, ("none", "auto")):
+        raise BodyError(f"tool_choice: {TOOLS}", "tool_choice")
 
 
 class RequestFields(Sampling, NotApplied):
@@ -78,7 +128,6 @@ class RequestFields(Sampling, NotApplied):
         """Engine params: only what the client set; the engine fills in its defaults."""
         if self.n != 1:
             raise ParamError("n", "only n=1 is supported")
-        self.refuse_unsupported(getattr(self, "logprobs", None))
         own = {k: getattr(self, k) for k in Sampling.model_fields}
         fly = self.fly.model_dump(exclude_none=True) if self.fly else {}
         return {k: v for k, v in own.items() if v is not None} | fly
@@ -91,20 +140,26 @@ class RequestFields(Sampling, NotApplied):
 
 
 class CompletionRequest(RequestFields):
-    prompt: str | list[int] | list[str]
+    # OpenAI's four forms: text, token ids, and a batch of either (one prompt here: n = 1 per request)
+    prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=5)
 
-    def prompt_input(self):
-        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str):
+    def prompt_input(self) -> str | list[int]:
+        """The one prompt: text or token ids, unwrapped from a batch of one."""
+        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str | list):
             if len(self.prompt) != 1:
-                raise ParamError("prompt", "a list of several prompts is not supported; send one")
+                raise ParamError("prompt", "a batch of several prompts is not supported; send one per request")
             return self.prompt[0]
         return self.prompt
 
 
+# The roles of OpenAI's chat messages (developer: the system role of its newer models)
+ROLES = Literal["system", "developer", "user", "assistant", "tool", "function"]
+
+
 class Message(BaseModel):
     model_config = STRICT
-    role: str
+    role: ROLES
     content: str
 
 
@@ -141,21 +196,34 @@ class BodyError(ValueError):
         self.message, self.param = message, param
 
 
+# What the prompt of a completion may be, said when it is none of them (pydantic would name the
+# last union member it tried, which tells the client nothing)
+PROMPT_FORMS = "must be a string, a list of token ids, or a batch of one of either (one prompt per request)"
+
+
 def parse_body(raw: bytes, model: type[BaseModel]) -> BaseModel:
     """The request model of a raw body; BodyError names the first bad field ("fly.k",
-    "messages.0.role") as OpenAI's `param`."""
+    "messages.0.role") as OpenAI's `param`. JSON nested past Python's recursion limit (about a
+    thousand levels, far beyond any request) is refused as such, not left to crash the handler."""
     try:
         obj = json.loads(raw)
+    except RecursionError:
+        raise BodyError("body: JSON nested too deeply") from None
     except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
         raise BodyError(f"body: not valid JSON ({type(e).__name__})") from None
     if not isinstance(obj, dict):
         raise BodyError("body: must be a JSON object")
     try:
-        return model.model_validate(obj)
+        body = model.model_validate(obj)
+    except RecursionError:
+        raise BodyError("body: JSON nested too deeply") from None
     except ValidationError as e:
         first = e.errors(include_url=False, include_input=False)[0]
         param = ".".join(str(p) for p in field_path(first.get("loc", ()), first.get("type"))) or None
-        raise BodyError(f"{param or 'body'}: {first.get('msg')}", param) from None
+        reason = PROMPT_FORMS if param == "prompt" and first.get("type") != "missing" else first.get("msg")
+        raise BodyError(f"{param or 'body'}: {reason}", param) from None
+    refuse_unapplied(obj)
+    return body
 
 
 def field_path(loc: tuple, kind: str | None = None) -> tuple:
