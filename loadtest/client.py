@@ -118,6 +118,23 @@ def complete(
     return Outcome("ok", t0, time.monotonic(), body=events[-1] if events else None, longest_pause_s=pause, status=200)
 
 
+def post_raw(url: str, raw: bytes, path: str = "/v1/completions", timeout_s: float = CLIENT_TIMEOUT_S) -> Outcome:
+    """One request whose body is these bytes as they are (JSON no client library would write:
+    nested past any parser's depth); never raises."""
+    t0 = time.monotonic()
+    headers = {"content-type": "application/json"}
+    try:
+        r = requests.post(f"{url}{path}", data=raw, headers=headers, timeout=timeout_s)
+    except requests.Timeout as e:
+        return Outcome("hung", t0, time.monotonic(), repr(e))
+    except requests.ConnectionError as e:
+        return Outcome("dropped", t0, time.monotonic(), repr(e))
+    kind = "ok" if r.status_code == 200 else "error"
+    return Outcome(
+        kind, t0, time.monotonic(), f"{r.status_code} {r.text[:300]}", _json_or_none(r), status=r.status_code
+    )
+
+
 class InFlight:
     """n_plain + n_stream requests sent at once (plain first), each on its own thread."""
 

@@ -10,9 +10,12 @@ for the rest), one server at a time, and its result names that profile:
      /healthz says 503 (if it does) and until a request succeeds again;
   on --profile (default cpu-default, the app as `fly-serve serve` starts it):
   c. overload: 4 x max_batch + max_waiting concurrent short requests: 200 / 503 / other / hung;
-  d. schemathesis against the app's own OpenAPI schema, 1,000 fresh cases per route by default
-     (a new seed each run, printed): status codes, and every 5xx;
-  e. (--soak N) soak.py's long run of N requests: outcomes, RSS at its start and end.
+  d. hostile input beside requests in flight: JSON nested past the parser, grammars the library
+     cannot follow or that no text completes (each a 400), and max_batch + max_waiting + 4 slow
+     bodies (each a 408 after the profile's body_timeout_s, while requests beside them are served);
+  e. schemathesis against the app's own OpenAPI schema, 1,000 fresh cases per route by default
+     (a new seed each run, printed), and fuzz.PINNED's hostile bodies: status codes, and every 5xx;
+  f. (--soak N) soak.py's long run of N requests: outcomes, RSS at its start and end.
 
     python -m loadtest.fault_run                       # the real pair on cpu-tp2, then cpu-default
     python -m loadtest.fault_run --tiny --fuzz-cases 100   # tiny random models: a check in minutes
@@ -39,7 +42,7 @@ import yaml
 
 from . import fuzz, soak
 from .procs import alive, descendants
-from .scenarios import App, drafter_kill, overload, tp_rank_kill
+from .scenarios import BODY_TIMEOUT_S, App, drafter_kill, hostile_input, overload, tp_rank_kill
 from .server import ROOT, ServeProcess, profile_path
 from .waits import wait_healthy
 
@@ -55,6 +58,15 @@ def soak_run(app: App, args) -> dict:
         return soak.main(argv)
 
 
+def hostile_summary(run) -> dict:
+    """The hostile scenario's summary; a run where a hostile request was not refused as it
+    must be, or something beside it was lost, fails the phase."""
+    out = run.summary()
+    if not run.held:
+        out["failed"] = "a hostile request was not refused as it must be, or a request beside it was lost"
+    return out
+
+
 def fuzz_run(app: App, args) -> dict:
     run = fuzz.fuzz_app(app.url, args.fuzz_cases, args.fuzz_max_tokens, app.timeout_s, args.fuzz_seed)
     return run.summary()
@@ -63,17 +75,20 @@ def fuzz_run(app: App, args) -> dict:
 # The kills need processes to kill: a drafter replica and a TP group's ranks, which the default
 # profile (drafter and target inside the ingress process) does not have.
 REPLICA_PHASES = ("drafter_kill", "tp_rank_kill")
-APP_PHASES = ("overload", "schemathesis", "soak")
+APP_PHASES = ("overload", "hostile", "schemathesis", "soak")
 PHASES = REPLICA_PHASES + APP_PHASES
 
 
 def phases(app: App, args, prof: dict) -> dict[str, Callable[[], dict]]:
     """Every scenario by name, to run against `app` (prof: its profile's args)."""
     max_batch, max_waiting = int(prof.get("max_batch", 8)), int(prof.get("max_waiting", 16))
+    body_timeout_s = float(prof.get("body_timeout_s", BODY_TIMEOUT_S))
+    slots = max_batch + max_waiting
     return {
         "drafter_kill": lambda: drafter_kill(app, args.inflight_tokens, args.max_tokens).summary(),
         "tp_rank_kill": lambda: tp_rank_kill(app, args.inflight_tokens, args.max_tokens).summary(),
         "overload": lambda: overload(app, max_batch, max_waiting, args.max_tokens).summary(),
+        "hostile": lambda: hostile_summary(hostile_input(app, slots, body_timeout_s, args.inflight_tokens, 4)),
         "schemathesis": lambda: fuzz_run(app, args),
         "soak": lambda: soak_run(app, args),
     }
@@ -157,6 +172,7 @@ def table(summary: dict) -> str:
     rows: list[list] = []  # each row's first cell: the scenario it belongs to
     d, tp, ov = summary.get("drafter_kill", {}), summary.get("tp_rank_kill", {}), summary.get("overload", {})
     fz, sk = summary.get("schemathesis", {}), summary.get("soak")
+    ho = summary.get("hostile", {})
     if "in_flight" in d:
         back = "no new replica drafted" if d["recovery_s"] is None else f"drafting again after {d['recovery_s']} s"
         note = f"{back} (pid {d['drafter_pid']})"
@@ -178,6 +194,14 @@ def table(summary: dict) -> str:
         note = f"503: {c['503']} {ov['503_error_codes']}, slowest {ov['max_s']['503']} s; other: {c['other']}"
         row = ["overload", f"overload ({ov['concurrent']} concurrent)", ov["concurrent"], c["200"]]
         rows.append([*row, c["503"] + c["other"], 0, c["hung"], note])
+    if "nested" in ho:
+        refused = [*ho["nested"].values(), *ho["grammar"].values()]
+        sent = len(refused) + ho["slow_bodies"] + ho["beside_slow"]["sent"] + ho["in_flight"]["sent"]
+        answered = ho["beside_slow"]["answered"] + ho["in_flight"]["answered"]
+        note = f"refused {refused}; slow bodies {ho['slow_statuses']} after {max(ho['slow_answered_s'], default=0)} s"
+        note += f"; in flight whole {ho['in_flight_finished_normally']}/{ho['in_flight']['sent']}"
+        rows.append(["hostile", "hostile input (nested JSON, grammars, slow bodies)", sent, answered])
+        rows[-1] += [len(refused) + ho["slow_bodies"], ho["in_flight"]["dropped"], ho["in_flight"]["hung"], note]
     if "cases_per_route" in fz:
         statuses: dict[str, int] = {}
         for per_op in fz["statuses"].values():
@@ -186,6 +210,7 @@ def table(summary: dict) -> str:
         fives = sum(v for k, v in statuses.items() if k.startswith("5"))
         ok = sum(v for k, v in statuses.items() if k.startswith("2"))
         note = f"seed {fz['seed']}; cases per route {fz['cases_per_route']}; statuses {statuses}; 5xx: {fives}"
+        note += f"; pinned hostile bodies not as they must be: {fz.get('pinned_wrong') or 'none'}"
         cases = sum(fz["cases_per_route"].values())
         rows.append(["schemathesis", "schemathesis", cases, ok, sum(statuses.values()) - ok, "", "", note])
     if sk and "outcomes" in sk:

@@ -3,14 +3,18 @@ declares, positive (valid) and negative (invalid) bodies, and no answer may be a
 
 The cases are drawn anew on every run (a fresh seed, reported, so a failure can be replayed with
 that seed): a green run proves only the cases it drew, so each run draws others. Cases that once
-found a bug are pinned as explicit tests elsewhere."""
+found a bug are pinned as explicit tests elsewhere, and the hostile bodies no schema-driven case
+draws (JSON nested past the parser, grammars the library cannot follow: issue 47) are sent on
+every run too, each with the status it must get (`PINNED`)."""
 
+import json
 import random
 from dataclasses import dataclass, field
 
 import requests
 
-from .client import CLIENT_TIMEOUT_S
+from .client import CLIENT_TIMEOUT_S, post_raw
+from .scenarios import GRAMMAR_FAILURES, NESTED_BODIES, PROMPT
 
 CASES_PER_ROUTE = 50  # the default suite's short run; the fault run draws 1,000+ per route
 MAX_TOKENS = 8  # fuzzed bodies ask for at most this many tokens: the fuzz is about shapes
@@ -31,12 +35,33 @@ class RouteFuzz:
     server_errors: list[str] = field(default_factory=list)  # the first 5xx ends the route's run
 
 
+# (path, raw body, the status it must get): a 400 each, where they were a 500 (nested JSON) or a
+# 200 "stop" with no text (a grammar the library gave up on at its first token, or that nothing completes)
+PINNED: dict[str, tuple[str, bytes, int]] = {
+    **{name: ("/v1/completions", raw, 400) for name, raw in NESTED_BODIES.items()},
+    **{
+        name: (
+            "/v1/chat/completions",
+            json.dumps({"messages": [{"role": "user", "content": PROMPT}], **extra}).encode(),
+            400,
+        )
+        for name, extra in GRAMMAR_FAILURES.items()
+    },
+}
+
+
 @dataclass
 class FuzzRun:
     seed: int  # the run's seed: each route and mode draws from seed + its index
     declared: list[str]  # POST paths whose request body the served schema declares
     routes: list[RouteFuzz]
     asked_per_route: int  # cases asked for; a route that got fewer stopped at a 5xx (or ran dry)
+    pinned: dict[str, int | None] = field(default_factory=dict)  # PINNED's case -> its status (None: no answer)
+
+    @property
+    def pinned_wrong(self) -> dict[str, int | None]:
+        """The pinned cases that did not get the status they must."""
+        return {name: got for name, got in self.pinned.items() if got != PINNED[name][2]}
 
     def cases_per_route(self) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -46,7 +71,9 @@ class FuzzRun:
 
     @property
     def server_errors(self) -> dict[str, list[str]]:
-        return {f"{r.route} ({r.mode})": r.server_errors for r in self.routes if r.server_errors}
+        out = {f"{r.route} ({r.mode})": r.server_errors for r in self.routes if r.server_errors}
+        fives = [name for name, got in self.pinned.items() if got is not None and got >= 500]
+        return out | ({"pinned": fives} if fives else {})
 
     def statuses(self) -> dict[int, int]:
         out: dict[int, int] = {}
@@ -64,6 +91,8 @@ class FuzzRun:
             "routes_short_of_cases": [r for r, n in self.cases_per_route().items() if n < self.asked_per_route],
             "statuses": statuses,
             "server_errors": self.server_errors,
+            "pinned": self.pinned,
+            "pinned_wrong": self.pinned_wrong,
         }
 
 
@@ -132,4 +161,5 @@ def fuzz_app(
             out = RouteFuzz(f"{op.method.upper()} {op.path}", mode.value, seed + len(routes))
             fuzz_route(op, mode, url, session, out, per_mode, max_tokens, timeout_s)
             routes.append(out)
-    return FuzzRun(seed, declared, routes, per_mode * len(modes))
+    pinned = {name: post_raw(url, raw, path, timeout_s).status for name, (path, raw, _) in PINNED.items()}
+    return FuzzRun(seed, declared, routes, per_mode * len(modes), pinned)

@@ -5,17 +5,25 @@ dataclass: tests/test_faults.py asserts on the results, fault_run.py prints them
   tp_rank_kill   one TP rank of the target SIGKILLed mid-generation
   overload       more concurrent requests than the batch and the queue hold
   sigterm_drain  SIGTERM to `fly-serve serve` with requests in flight (the server is this run's child)
+  hostile        hostile input beside requests in flight: JSON nested past the parser, grammars the
+                 library cannot follow or that no text completes, and more slow bodies than the
+                 replica has slots (each must be a 4xx; the requests in flight end whole)
 
 Pids come from procs.replica_pids (the process tree under App.root_pid) and only processes this
 process started are killed (procs.kill_ours). Every request has a client timeout; every wait
 goes through waits.until with a deadline.
 """
 
+import http.client
+import json
 import signal
+import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
+from urllib.parse import urlparse
 
-from .client import CLIENT_TIMEOUT_S, InFlight, Outcome, Tally, complete, failures, stats
+from .client import CLIENT_TIMEOUT_S, InFlight, Outcome, Tally, complete, failures, post_raw, stats
 from .procs import alive, kill_ours, replica_pids
 from .server import ServeProcess
 from .waits import HealthWatch, probe_until, until, wait_generating, wait_status
@@ -295,3 +303,122 @@ def sigterm_drain(server: ServeProcess, inflight_tokens: int, exit_timeout_s: fl
         time.monotonic() - t_term,
         [line for line in server.lines if line.startswith("fly-serve:")],
     )
+
+
+# ---- hostile input (issue 47)
+BODY_TIMEOUT_S = 20.0  # the app's body deadline where its profile sets none (deployments/app_args.py)
+# Bodies nested past any JSON parser's depth: a 400, never a 500.
+NESTED_BODIES = {
+    "nested_array": b"[" * 100_000 + b"]" * 100_000,
+    "nested_in_unknown_field": b'{"prompt": "x", "junk": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+}
+# Grammars the library fails on at their first token, or that no text completes: a 400 naming the
+# field, never a 200 "stop" with no text.
+A_MILLION_AS = {"type": "string", "pattern": "^a{1000000}$"}
+GRAMMAR_FAILURES = {
+    "pattern_of_a_million": {
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": A_MILLION_AS}}
+    },
+    "regex_of_a_million": {"fly": {"regex": "(a{1000}){1000}"}},
+    "grammar_no_text_completes": {"fly": {"grammar": "start: x\nx: x"}},
+    "refs_that_only_loop": {
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#"}}}
+    },
+}
+
+
+@dataclass
+class SlowBody:
+    status: int | None  # None: no answer (the socket timed out or was cut)
+    code: str | None  # the error body's code ("request_timeout")
+    seconds: float  # from when the socket was opened until its answer
+
+
+@dataclass
+class Hostile:
+    slots: int  # max_batch + max_waiting of the app
+    body_timeout_s: float
+    in_flight: list[Outcome]  # generations in flight through all of it (plain first, the stream last)
+    nested: dict[str, Outcome]
+    grammar: dict[str, Outcome]
+    slow: list[SlowBody]  # more sockets than slots, each declaring a body it never sends
+    beside_slow: list[Outcome]  # requests sent while the slow bodies were held
+
+    def summary(self) -> dict:
+        def status(o: Outcome) -> str:
+            return f"{o.status} {((o.body or {}).get('error') or {}).get('param')}" if o.status else o.kind
+
+        return {
+            "in_flight": asdict(Tally.of(self.in_flight)),
+            "in_flight_finished_normally": sum(o.finished_normally for o in self.in_flight),
+            "in_flight_errors": failures(self.in_flight),
+            "nested": {name: status(o) for name, o in self.nested.items()},
+            "grammar": {name: status(o) for name, o in self.grammar.items()},
+            "slow_bodies": len(self.slow),
+            "slow_statuses": sorted({f"{b.status} {b.code}" for b in self.slow}),
+            "slow_answered_s": [round(b.seconds, 1) for b in self.slow],
+            "beside_slow": asdict(Tally.of(self.beside_slow)),
+            "beside_slow_errors": failures(self.beside_slow),
+            "slots": self.slots,
+            "body_timeout_s": self.body_timeout_s,
+        }
+
+    @property
+    def held(self) -> bool:
+        """Every hostile request got its 4xx, and nothing beside them was lost."""
+        refused = all(o.status == 400 for o in [*self.nested.values(), *self.grammar.values()])
+        cut = all(b.status == 408 for b in self.slow)
+        whole = all(o.finished_normally for o in self.in_flight) and all(o.kind == "ok" for o in self.beside_slow)
+        return refused and cut and whole
+
+
+def _slow_body(url: str, timeout_s: float) -> socket.socket:
+    """A POST that declares 200 bytes of body and sends a few of them."""
+    u = urlparse(url)
+    s = socket.create_connection((u.hostname, u.port), timeout=timeout_s)
+    head = f"POST /v1/completions HTTP/1.1\r\nHost: {u.hostname}\r\nContent-Type: application/json\r\n"
+    s.sendall(f"{head}Content-Length: 200\r\n\r\n".encode() + b'{"prompt": ')
+    return s
+
+
+def _answer(s: socket.socket, t0: float) -> SlowBody:
+    try:
+        response = http.client.HTTPResponse(s)
+        response.begin()
+        body = response.read()
+        code = ((json.loads(body) if body else {}).get("error") or {}).get("code")
+        return SlowBody(response.status, code, time.monotonic() - t0)
+    except (OSError, http.client.HTTPException, ValueError):
+        return SlowBody(None, None, time.monotonic() - t0)
+    finally:
+        s.close()
+
+
+def slow_bodies(app: App, n: int, body_timeout_s: float, probe_tokens: int) -> tuple[list[SlowBody], list[Outcome]]:
+    """n sockets that never finish their body, then two short requests beside them (answered:
+    a body being read holds no slot), then each socket's answer (a 408 after body_timeout_s)."""
+    t0 = time.monotonic()
+    sockets = [_slow_body(app.url, body_timeout_s + 60) for _ in range(n)]
+    time.sleep(0.5)  # each is in a handler, reading its body
+    beside = [
+        complete(app.url, {"prompt": PROMPT, "max_tokens": probe_tokens}, timeout_s=app.timeout_s) for _ in range(2)
+    ]
+    with ThreadPoolExecutor(n) as pool:
+        answers = list(pool.map(lambda s: _answer(s, t0), sockets))
+    return answers, beside
+
+
+def hostile_input(app: App, slots: int, body_timeout_s: float, inflight_tokens: int, probe_tokens: int) -> Hostile:
+    """The hostile requests of issue 47, one kind after the other, while one plain and one
+    streamed generation run: nested JSON, grammar failures, and slots + 4 slow bodies."""
+    body = {"prompt": PROMPT, "max_tokens": inflight_tokens, "fly": {"mode": "ar"}}
+    flight = InFlight(app.url, body, n_plain=1, n_stream=1, timeout_s=app.timeout_s)
+    wait_generating(app.url, len(flight), timeout_s=app.timeout_s, rounds=2)
+    nested = {name: post_raw(app.url, raw, timeout_s=app.timeout_s) for name, raw in NESTED_BODIES.items()}
+    grammar = {
+        name: complete(app.url, {"prompt": PROMPT, "max_tokens": probe_tokens, **extra}, timeout_s=app.timeout_s)
+        for name, extra in GRAMMAR_FAILURES.items()
+    }
+    slow, beside = slow_bodies(app, slots + 4, body_timeout_s, probe_tokens)
+    in_flight = flight.gather(app.timeout_s + 30)
+    return Hostile(slots, body_timeout_s, in_flight, nested, grammar, slow, beside)

@@ -165,6 +165,7 @@ def test_schemathesis_finds_no_server_error(app):
     assert {"/v1/completions", "/v1/chat/completions"} <= set(run.declared), run.declared
     assert len(run.routes) == 4 and all(r.cases > 0 for r in run.routes)
     assert not run.server_errors, f"seed {run.seed}: {run.server_errors}"
+    assert run.pinned and not run.pinned_wrong, run.pinned  # the hostile bodies of issue 47: each a 400
 
 
 # ---- one TP rank killed mid-generation
