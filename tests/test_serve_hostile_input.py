@@ -1,0 +1,409 @@
+"""Hostile input through the served API (issue 47), over HTTP on 127.0.0.1 against one small app
+(tiny models, both in the ingress as the default profile has them, a short body deadline):
+deeply nested JSON, slow bodies, grammars the library cannot follow or that nothing completes,
+a json_schema without its schema, fields that would change the output and are not applied, seeds
+in the modes whose drafts come from what the engine learned, and the validation of roles, prompt
+lengths and forms, seeds at the ends of int64, a deep schema and clients gone before their body.
+Bad input gets a 4xx naming the field, never a 500 or a 200 that silently lacks what was asked,
+and a generation in flight beside it ends whole."""
+
+import http.client
+import json
+import os
+import socket
+import struct
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from urllib.parse import urlparse
+
+import pytest
+import requests
+from serve_fixture import start_serve, stop_serve
+
+from loadtest.scenarios import App, hostile_input
+
+pytestmark = pytest.mark.serve
+
+BODY_TIMEOUT_S = 3.0  # the app's body deadline, short for the test (the default is 20 s)
+MAX_BATCH, MAX_WAITING = 2, 2  # 4 slots: a few slow sockets would take them all if they held one
+MAX_MODEL_LEN = 512
+APP = {
+    "tiny": True,
+    "max_batch": MAX_BATCH,
+    "max_waiting": MAX_WAITING,
+    "max_model_len": MAX_MODEL_LEN,
+    "body_timeout_s": BODY_TIMEOUT_S,
+    "target_placement": "ingress",
+    "drafter_placement": "ingress",
+    "defaults": {"max_tokens": 16},
+}
+PROMPT = "def add(a, b):\n    return a + b\n"
+MESSAGES = [{"role": "user", "content": "Say something."}]
+WITNESS_TOKENS = 400  # ar, one token a round: still generating while the bad requests come
+TIMEOUT = 60
+SLOW_SOCKETS = 2 * (MAX_BATCH + MAX_WAITING)
+
+
+@pytest.fixture(scope="module")
+def url():
+    base = start_serve(APP)
+    deadline = time.monotonic() + 120
+    while requests.get(f"{base}/healthz", timeout=10).status_code != 200:
+        assert time.monotonic() < deadline, "not ready"
+        time.sleep(0.5)
+    yield base
+    stop_serve()
+
+
+def post(url: str, route: str = "completions", **body) -> requests.Response:
+    return requests.post(f"{url}/v1/{route}", json=body, timeout=TIMEOUT)
+
+
+def post_raw(url: str, raw: bytes | str, route: str = "completions", headers: dict | None = None):
+    headers = {"content-type": "application/json", **(headers or {})}
+    return requests.post(f"{url}/v1/{route}", data=raw, headers=headers, timeout=TIMEOUT)
+
+
+def refused(r: requests.Response, param: str | None, status: int = 400) -> str:
+    """The error's message, once the answer is the status with an OpenAI error naming `param`."""
+    assert r.status_code == status, (r.status_code, r.text)
+    err = r.json()["error"]
+    assert err["param"] == param and err["type"] == "invalid_request_error", err
+    return err["message"]
+
+
+def stats(url: str) -> dict:
+    return requests.get(f"{url}/v1/fly/stats", timeout=TIMEOUT).json()
+
+
+@contextmanager
+def in_flight_beside(url: str):
+    """A streamed generation admitted before the block runs: it must end whole after it, all
+    its tokens and [DONE] (nothing beside a bad request is lost)."""
+    body = {"prompt": PROMPT, "max_tokens": WITNESS_TOKENS, "stream": True, "fly": {"mode": "ar"}}
+    with requests.post(f"{url}/v1/completions", json=body, stream=True, timeout=TIMEOUT) as r:
+        assert r.status_code == 200, r.text
+        lines = r.iter_lines(decode_unicode=True)
+        first = next(line for line in lines if line)
+        yield
+        events = [first, *(line for line in lines if line)]
+    assert events[-1] == "data: [DONE]", events[-3:]
+    last = json.loads(events[-2][len("data: ") :])
+    assert last["choices"][0]["finish_reason"] == "length", last
+    assert last["usage"]["completion_tokens"] == WITNESS_TOKENS, last
+
+
+def wait_idle(url: str, timeout_s: float = 30) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while (s := stats(url))["in_flight"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return s
+
+
+# ---- 1. deeply nested JSON
+
+
+@pytest.mark.parametrize(
+    "raw, route",
+    [
+        ("[" * 100_000 + "]" * 100_000, "completions"),
+        ('{"prompt": "x", "junk": ' + "[" * 100_000 + "]" * 100_000 + "}", "completions"),
+        ('{"messages": [], "x": ' + '{"a": ' * 50_000 + "1" + "}" * 50_000 + "}", "chat/completions"),
+    ],
+    ids=["array", "in-an-unknown-field", "objects-on-chat"],  # short: a test id travels in the environment
+)
+def test_deeply_nested_json_is_a_400(url, raw, route):
+    with in_flight_beside(url):
+        message = refused(post_raw(url, raw, route), None)
+    assert "nested too deeply" in message
+
+
+# ---- 2. slow bodies
+
+
+def slow_body(url: str) -> socket.socket:
+    """A POST that declares 200 bytes of body and sends a few of them."""
+    u = urlparse(url)
+    s = socket.create_connection((u.hostname, u.port), timeout=TIMEOUT)
+    head = f"POST /v1/completions HTTP/1.1\r\nHost: {u.hostname}\r\nContent-Type: application/json\r\n"
+    s.sendall(f"{head}Content-Length: 200\r\n\r\n".encode() + b'{"prompt": ')
+    return s
+
+
+def test_slow_bodies_hold_no_slot_and_are_cut_at_the_deadline(url):
+    """Twice as many sockets as the replica has slots send a body that never completes: a
+    request beside them is answered (no slot is held by a body being read), and each of them
+    gets a 408 once the body deadline has passed."""
+    with in_flight_beside(url):
+        t0 = time.monotonic()
+        sockets = [slow_body(url) for _ in range(SLOW_SOCKETS)]
+        time.sleep(0.5)  # every one of them is in a handler, reading its body
+        r = post(url, prompt=PROMPT, max_tokens=4)
+        assert r.status_code == 200, r.text
+        assert stats(url)["in_flight"] <= 1  # the stream beside; nothing of the slow bodies
+        answers = []
+        for s in sockets:
+            response = http.client.HTTPResponse(s)
+            response.begin()
+            answers.append((response.status, json.loads(response.read())["error"]["code"], time.monotonic() - t0))
+            s.close()
+    assert all(a[:2] == (408, "request_timeout") for a in answers), answers
+    assert all(BODY_TIMEOUT_S - 0.5 < a[2] < BODY_TIMEOUT_S + 15 for a in answers), answers
+    assert wait_idle(url)["in_flight"] == 0
+
+
+def test_a_slow_body_that_completes_in_time_is_served(url):
+    u = urlparse(url)
+    body = json.dumps({"prompt": PROMPT, "max_tokens": 4}).encode()
+    with socket.create_connection((u.hostname, u.port), timeout=TIMEOUT) as s:
+        s.sendall(
+            f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n".encode()
+        )
+        for i in range(0, len(body), 8):  # dribbled over about half the deadline
+            s.sendall(body[i : i + 8])
+            time.sleep(BODY_TIMEOUT_S / 2 / (len(body) / 8))
+        response = http.client.HTTPResponse(s)
+        response.begin()
+        assert response.status == 200 and json.loads(response.read())["usage"]["completion_tokens"] == 4
+
+
+# ---- 3. and 4. grammars the library cannot follow, or that no text completes
+
+A_MILLION_AS = {
+    "type": "json_schema",
+    "json_schema": {"name": "x", "schema": {"type": "string", "pattern": "^a{1000000}$"}},
+}
+LOOPING_REFS = {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}
+
+
+def schema_format(schema) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+
+
+@pytest.mark.parametrize(
+    "route, body, param",
+    [
+        ("completions", {"response_format": A_MILLION_AS}, "response_format"),
+        ("chat/completions", {"response_format": A_MILLION_AS}, "response_format"),
+        ("completions", {"fly": {"regex": "(a{1000}){1000}"}}, "fly.regex"),
+    ],
+)
+def test_a_grammar_the_library_cannot_follow_is_a_400(url, route, body, param):
+    """The library builds its lexer lazily: these fail on their first token ("too many
+    expressions constructed"), which used to end the request at once as a 200 "stop" with no
+    text. They are walked a few tokens before admission now."""
+    head = {"prompt": PROMPT} if route == "completions" else {"messages": MESSAGES}
+    with in_flight_beside(url):
+        message = refused(post(url, route, **head, **body, max_tokens=8), param)
+    assert "too many expressions" in message
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"fly": {"grammar": "start: x\nx: x"}}, "fly.grammar"),
+        ({"fly": {"grammar": 'start: "a" x\nx: x'}}, "fly.grammar"),  # a dead end after its first token
+        ({"response_format": schema_format({"$ref": "#"})}, "response_format"),
+        ({"response_format": schema_format(LOOPING_REFS)}, "response_format"),
+    ],
+)
+def test_a_grammar_no_text_completes_is_a_400(url, body, param):
+    message = refused(post(url, prompt=PROMPT, max_tokens=8, **body), param)
+    assert "no text matches it" in message
+
+
+# ---- 5. a json_schema format without its schema
+
+
+@pytest.mark.parametrize(
+    "response_format, missing",
+    [
+        ({"type": "json_schema", "json_schema": {"name": "x", "strict": True}}, "json_schema.schema"),
+        ({"type": "json_schema"}, "json_schema"),
+    ],
+)
+def test_a_json_schema_format_without_its_schema_is_a_400(url, response_format, missing):
+    for route, head in (("completions", {"prompt": PROMPT}), ("chat/completions", {"messages": MESSAGES})):
+        message = refused(post(url, route, **head, response_format=response_format), "response_format")
+        assert missing in message
+
+
+# ---- 6. fields that change the output and are not applied
+
+TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+
+
+@pytest.mark.parametrize(
+    "route, extra, param",
+    [
+        ("completions", {"regex": "[a-z]+"}, "regex"),
+        ("chat/completions", {"grammar": 'start: "yes"'}, "grammar"),
+        ("chat/completions", {"tools": [TOOL], "tool_choice": "required"}, "tool_choice"),
+        ("chat/completions", {"tools": [TOOL]}, "tools"),
+        ("chat/completions", {"functions": [TOOL["function"]]}, "functions"),
+        ("completions", {"suffix": "\n}"}, "suffix"),
+        ("completions", {"top_k": 5}, "top_k"),
+        ("completions", {"min_p": 0.1}, "min_p"),
+        ("completions", {"repetition_penalty": 1.2}, "repetition_penalty"),
+        ("chat/completions", {"top_logprobs": 2}, "top_logprobs"),
+        ("completions", {"presence_penalty": 0.5}, "presence_penalty"),
+        ("completions", {"guided_json": {"type": "object"}}, "guided_json"),
+        ("completions", {"ignore_eos": True}, "ignore_eos"),
+    ],
+)
+def test_a_field_that_would_change_the_output_and_is_not_applied_is_a_400(url, route, extra, param):
+    head = {"prompt": PROMPT} if route == "completions" else {"messages": MESSAGES}
+    message = refused(post(url, route, **head, **extra, max_tokens=4), param)
+    assert param in message
+
+
+def test_the_neutral_values_of_those_fields_are_accepted(url):
+    """What clients send by default (OpenAI's and vLLM's neutral values), and fields that change
+    nothing of the output, are no reason to refuse a request."""
+    neutral = {
+        "top_k": -1,
+        "min_p": 0,
+        "repetition_penalty": 1.0,
+        "presence_penalty": 0,
+        "frequency_penalty": 0.0,
+        "tools": [TOOL],
+        "tool_choice": "none",
+        "parallel_tool_calls": False,
+        "ignore_eos": False,
+        "user": "u-1",
+        "service_tier": "auto",
+    }
+    r = post(url, "chat/completions", messages=MESSAGES, max_tokens=4, **neutral)
+    assert r.status_code == 200, r.text
+    r = post(url, prompt=PROMPT, max_tokens=4, suffix="", top_k=0, min_p=0.0)
+    assert r.status_code == 200, r.text
+
+
+# ---- 7. seeds in the modes whose drafts the engine learned
+
+
+def test_a_seed_gives_the_same_text_in_every_model_free_mode(url):
+    """T = 1, one seed: suffix and recycle draft from what earlier requests taught the engine, so
+    each repetition drafts differently; the text must not change (nor differ from ar's)."""
+    texts, drafted = {}, {}
+    for mode in ("ar", "pld", "suffix", "suffix", "suffix", "recycle", "recycle", "recycle"):
+        r = post(url, prompt=PROMPT, max_tokens=24, temperature=1.0, seed=7, fly={"mode": mode, "k": 4})
+        assert r.status_code == 200, r.text
+        texts.setdefault(mode, []).append(r.json()["choices"][0]["text"])
+        drafted.setdefault(mode, []).append(r.json()["fly"]["drafted"])
+    assert all(t == texts["ar"][0] for ts in texts.values() for t in ts), texts
+    assert drafted["suffix"][-1] > 0 and drafted["recycle"][-1] > 0, drafted  # they did draft
+
+
+# ---- 8. validation
+
+
+@pytest.mark.parametrize("role, says", [('"bogus"', "'assistant'"), ('""', "'user'"), ('"\\ud800"', "unicode")])
+def test_a_message_role_is_one_of_openais(url, role, says):
+    raw = '{"messages": [{"role": ' + role + ', "content": "hi"}], "max_tokens": 2}'
+    assert says in refused(post_raw(url, raw, "chat/completions"), "messages.0.role")
+
+
+def test_developer_and_tool_roles_are_served(url):
+    messages = [{"role": "developer", "content": "Be brief."}, *MESSAGES, {"role": "tool", "content": "12:00"}]
+    assert post(url, "chat/completions", messages=messages, max_tokens=2).status_code == 200
+
+
+def test_a_prompt_past_the_context_is_blamed_on_the_prompt(url):
+    message = refused(post(url, prompt=[5] * (MAX_MODEL_LEN + 88), max_tokens=4), "prompt")
+    assert f"context window of {MAX_MODEL_LEN} tokens" in message
+    long_chat = [{"role": "user", "content": "ab" * MAX_MODEL_LEN}]
+    refused(post(url, "chat/completions", messages=long_chat, max_tokens=4), "messages")
+    refused(post(url, prompt=[5] * 100, max_tokens=MAX_MODEL_LEN), "max_tokens")  # where max_tokens is to blame
+
+
+def test_a_seed_is_any_int64(url):
+    for seed in (-(2**63), 2**63 - 1):
+        r = post(url, prompt=PROMPT, max_tokens=3, temperature=1.0, seed=seed)
+        assert r.status_code == 200, (seed, r.text)
+    for seed in (-(2**63) - 1, 2**63):
+        refused(post(url, prompt=PROMPT, max_tokens=3, temperature=1.0, seed=seed), "seed")
+
+
+def deep_schema(levels: int) -> dict:
+    schema = {"type": "integer"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"], "additionalProperties": False}
+    return schema
+
+
+def test_a_deep_valid_schema_is_served(url):
+    """300 nested objects: 600 levels of JSON, past the 128 the grammar library reads; its
+    subschemas are moved to $defs, so it compiles, and the output follows it."""
+    r = post(url, prompt=PROMPT, max_tokens=40, response_format=schema_format(deep_schema(300)))
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["text"].startswith('{"a": {"a": {"a": ') and choice["finish_reason"] == "length", choice
+
+
+def test_a_batch_of_one_token_list_is_a_prompt_and_other_forms_are_named(url):
+    one = post(url, prompt=[[104, 105, 33]], max_tokens=6, fly={"mode": "ar"})
+    plain = post(url, prompt=[104, 105, 33], max_tokens=6, fly={"mode": "ar"})
+    assert one.status_code == plain.status_code == 200, one.text
+    assert one.json()["choices"][0]["text"] == plain.json()["choices"][0]["text"]
+    assert "one per request" in refused(post(url, prompt=[[1, 2], [3]]), "prompt")
+    for bad in (5, [1.5], [[1, "a"]], {"text": "x"}):
+        assert "a list of token ids" in refused(post(url, prompt=bad), "prompt")
+
+
+def ingress_log(request_ids: list[str]) -> list[str]:
+    """The ingress replica's log lines that name one of these request ids."""
+    import ray
+
+    # the session of this module's Ray (not /tmp/ray/session_latest: another Ray may be newer)
+    logs = Path(ray._private.worker.global_worker.node.get_session_dir_path()) / "logs" / "serve"
+    lines = [
+        line for f in logs.glob("replica_fly_FlyIngress_*.log") for line in f.read_text("utf-8", "replace").splitlines()
+    ]
+    return [line for line in lines if any(rid in line for rid in request_ids)]
+
+
+def leave_before_the_body(url: str, request_id: str, sent: bytes, wait_s: float, reset: bool) -> None:
+    u = urlparse(url)
+    s = socket.create_connection((u.hostname, u.port), timeout=TIMEOUT)
+    s.sendall(
+        f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Request-Id: {request_id}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: 400\r\n\r\n".encode()
+        + sent
+    )
+    time.sleep(wait_s)
+    if reset:  # an abortive close: RST, not FIN
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    s.close()
+
+
+def test_clients_gone_before_their_body_was_read_are_no_error(url):
+    """Clients that leave before their body is read (at once, midway, by RST, beside the body
+    deadline) are no fault of the server: nothing of them is left, and the log has no ERROR."""
+    cases = [(b"", 0.0, False), (b'{"prompt": ', 0.05, False), (b'{"prompt": "x', 0.5, True)]
+    cases += [(b'{"prompt": ', BODY_TIMEOUT_S - 0.2, False), (b"{", 1.0, True)]
+    ids = [f"gone-before-body-{i}-{time.monotonic_ns()}" for i in range(len(cases))]
+    with in_flight_beside(url):
+        threads = [
+            threading.Thread(target=leave_before_the_body, args=(url, rid, *case)) for rid, case in zip(ids, cases)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert wait_idle(url)["in_flight"] == 0
+    time.sleep(1)  # the replica's log handler writes an ERROR at once; give it a moment all the same
+    assert not [line for line in ingress_log(ids) if " ERROR " in line or line.startswith("ERROR")]
+    assert post(url, prompt=PROMPT, max_tokens=4).status_code == 200
+
+
+# ---- the same through loadtest's scenario (fault_run's "hostile" phase)
+
+
+def test_the_hostile_scenario_of_the_fault_run_holds(url):
+    run = hostile_input(App(url, os.getpid()), MAX_BATCH + MAX_WAITING, BODY_TIMEOUT_S, WITNESS_TOKENS, 4)
+    assert run.held, run.summary()
+    assert len(run.slow) == MAX_BATCH + MAX_WAITING + 4 and len(run.in_flight) == 2
