@@ -56,6 +56,7 @@ from urllib.parse import urlparse
 
 import gevent
 import huggingface_hub.hf_api  # noqa: F401  (before locust: see below)
+import requests
 from locust import HttpUser, constant, task
 from locust.env import Environment
 from locust.exception import StopUser
@@ -241,6 +242,20 @@ def one_burst(host: str, method: Method, users: int, burst: int, max_tokens: int
         print(f"burst {burst}: {runner.user_count} requests unfinished after {BURST_DEADLINE_S} s", file=sys.stderr)
     runner.quit()
     return wall, failed
+
+
+WARM_UP = "Say hello."  # in no prompt list: it primes no prefix cache for the measured prompts
+
+
+def warm_up(host: str, method: Method) -> None:
+    """One short request per method before any is timed: a server's first answer pays for its
+    first touch of the weights (a llama-server's first request here took 5x its later ones)."""
+    body = {"messages": [{"role": "user", "content": WARM_UP}], "max_tokens": 8, "temperature": 0}
+    if method.fly is not None:
+        body["fly"] = method.fly
+    r = requests.post(f"{host}/v1/chat/completions", json=body, timeout=600)
+    if r.status_code != 200:
+        sys.exit(f"warm-up of {method.name} at {host}: HTTP {r.status_code}: {r.text[:300]}")
 
 
 def pct(values: list[float], q: float) -> float:
@@ -457,6 +472,8 @@ def sweep(args, methods: list[Method], out: Path, peers: dict[str, LlamaServer])
     """Every user count, every method and peer; the files and the table. Ratios against the first peer."""
     summary: dict = {}
     every: list[Record] = []
+    for method in methods:
+        warm_up(method.host or args.host, method)
     for users in args.users:
         if args.together:
             runs = run_bursts(args.host, methods, users, args.together, args.max_tokens)
