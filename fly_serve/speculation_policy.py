@@ -31,7 +31,8 @@ draft one more, and the next time one fewer (a width step; the plan's k's neighb
 the plan weighs it against, so a step costs little where the plan is right).
 
 Exploration. A row the plan leaves at k = 0 for `probe_every` rounds in a row (with a frozen profile,
-a gap that doubles after each probe that did not pay, up to max_probe_every) gets a probe round
+a gap that doubles after each probe that did not pay, and at least long enough that probes cost
+`probe_budget` of the time, up to max_probe_every) gets a probe round
 (with no early stop; at most `max_probes` rows a round): its acceptance is measured again, and the
 cost check sees a drafting round, so a wrong seed (a profile that overprices drafting) corrects
 itself within a few probes, and a row that was written off is tried again. A row alone probes
@@ -76,6 +77,7 @@ class SpeculationPolicy:
         *,
         probe_every: int = 6,
         max_probe_every: int = 96,
+        probe_budget: float = 0.05,
         probe_k: int = 4,
         max_probes: int = 1,
         width_every: int = 6,
@@ -93,6 +95,9 @@ class SpeculationPolicy:
         # drafting costs most of a plain step (a CPU drafter on llama.cpp's kernels) a probe
         # costs about two plain steps, so a row that keeps not paying must not keep paying that.
         self.max_probe_every = max(max_probe_every, probe_every)
+        # ... and never closer than a probe's extra seconds over probe_budget of a plain round: where
+        # a drafter forward costs about half a target step, a 4-draft probe costs ~3 plain rounds.
+        self.probe_budget = probe_budget
         self._gap: dict[str, int] = {}
         self.width_every = width_every
         self._batch_rounds = 0  # rounds of 2+ rows chosen (the width steps' clock)
@@ -218,12 +223,20 @@ class SpeculationPolicy:
         for b in due:
             ks[b], idle[rows[b].key] = min(k_probe, self.probe_k, rows[b].k_max), 0
             if self.frozen:  # else the probes feed the cost check too, which needs them regular
-                gap = self._gap.get(rows[b].key, self.probe_every)
-                self._gap[rows[b].key] = min(2 * gap, self.max_probe_every)
+                gap = max(2 * self._gap.get(rows[b].key, self.probe_every), self._budget_gap(rows[b], ks[b]))
+                self._gap[rows[b].key] = min(gap, self.max_probe_every)
         if batch and width == 0 and due:
             self._batch_quiet = 0
         self.probes += len(due)
         return ks
+
+    def _budget_gap(self, row: RowInfo, k: int) -> int:
+        """Rounds between probes that keep a k-draft probe's extra seconds (over a plain round) at
+        probe_budget of the plain rounds' time, as the frozen profile prices them."""
+        cost = self.cost_for(1)
+        plain = cost.round_s([0], [row])
+        extra = cost.round_s([k], [row]) - plain
+        return math.ceil(extra / (self.probe_budget * plain)) if plain > 0 and self.probe_budget > 0 else 0
 
     def min_confidence(self, key: str | None = None) -> float:
         """The drafter's stop threshold for the round last chosen (min_confidence_for); 0 for a

@@ -946,18 +946,33 @@ def test_the_engine_drafts_k_auto_rows_from_prompt_lookup_where_the_drafter_does
     assert engine.drafters["model"].forwards - forwards <= engine.policy.probes  # only probes ran the drafter
 
 
-def test_with_a_profile_measured_here_probes_back_off_while_drafting_does_not_pay():
-    """A frozen profile: probes only re-measure acceptance, so each one that leaves the plan at k 0
-    doubles the row's gap (up to max_probe_every); once the plan drafts the row, the gap resets."""
-    policy = SpeculationPolicy.from_profile(flat_profile(0.1, per_token=0.02, per_forward=0.06))
+def probe_gaps(profile: CostProfile, acceptance: float, rounds: int = 400) -> tuple[SpeculationPolicy, list[int]]:
+    """A frozen policy's rounds between probes of one row whose drafts do not pay at its acceptance."""
+    policy = SpeculationPolicy.from_profile(profile)
     policy.frozen = True
     probes_at = []
-    for i in range(400):
-        ks = policy.choose([RowInfo("r", 8, acceptance=0.3)])
+    for i in range(rounds):
+        ks = policy.choose([RowInfo("r", 8, acceptance=acceptance)])
         if ks[0]:
             probes_at.append(i)
         policy.record(["r"], ks, [0] * 1, kinds=[MODEL], draft_s=0.06 * ks[0], verify_s=0.1, forwards=ks[0])
-    gaps = np.diff(probes_at).tolist()
+    return policy, np.diff(probes_at).tolist()
+
+
+def test_with_a_profile_measured_here_probes_back_off_while_drafting_does_not_pay():
+    """A frozen profile: probes only re-measure acceptance, so each one that leaves the plan at k 0
+    doubles the row's gap (up to max_probe_every); once the plan drafts the row, the gap resets."""
+    # a 4-draft probe costs 0.3 plain rounds (its budget: 6 rounds); drafting pays from acceptance 0.075
+    policy, gaps = probe_gaps(flat_profile(0.1, per_token=0.004, per_forward=0.0035), acceptance=0.05)
     assert gaps[:4] == [13, 25, 49, 97] and set(gaps[4:]) == {97}  # 6, 12, 24, 48, then capped at 96 idle rounds
     assert policy.choose([RowInfo("r", 8, acceptance=0.99)])[0] > 0  # the plan drafts: gap back to 6
     assert "r" not in policy._gap
+
+
+def test_a_probe_that_costs_several_plain_rounds_waits_until_it_costs_its_budget():
+    """A drafter forward at 0.6 of a plain round (llama.cpp's pair on a CPU): a 4-draft probe costs
+    0.32 s over a 0.1 s plain round, so after the first probe the next waits 64 rounds (5% of the
+    time), not 12; the cap still holds."""
+    policy, gaps = probe_gaps(flat_profile(0.1, per_token=0.02, per_forward=0.06), acceptance=0.3)
+    assert gaps[0] == 65 and set(gaps[1:]) == {97}
+    assert policy._budget_gap(RowInfo("r", 8, acceptance=0.3), 4) == 64
