@@ -56,7 +56,6 @@ from urllib.parse import urlparse
 
 import gevent
 import huggingface_hub.hf_api  # noqa: F401  (before locust: see below)
-import requests
 from locust import HttpUser, constant, task
 from locust.env import Environment
 from locust.exception import StopUser
@@ -250,10 +249,15 @@ WARM_UP = "Say hello."  # in no prompt list: it primes no prefix cache for the m
 def warm_up(host: str, method: Method) -> None:
     """One short request per method before any is timed: a server's first answer pays for its
     first touch of the weights (a llama-server's first request here took 5x its later ones)."""
+    import requests  # after Locust's patching: urllib3 imported before it recurses in ssl
+
     body = {"messages": [{"role": "user", "content": WARM_UP}], "max_tokens": 8, "temperature": 0}
     if method.fly is not None:
         body["fly"] = method.fly
-    r = requests.post(f"{host}/v1/chat/completions", json=body, timeout=600)
+    try:
+        r = requests.post(f"{host}/v1/chat/completions", json=body, timeout=600)
+    except requests.RequestException as e:
+        sys.exit(f"warm-up of {method.name} at {host}: {type(e).__name__}: {e}")
     if r.status_code != 200:
         sys.exit(f"warm-up of {method.name} at {host}: HTTP {r.status_code}: {r.text[:300]}")
 
