@@ -65,11 +65,12 @@ def test_kill_ours_reaches_a_child_and_refuses_anything_else():
 
 def test_fault_run_kills_on_the_replica_profile_and_runs_the_rest_on_the_default():
     """The drafter and the TP rank are killed on a profile that has them (cpu-tp2: a FlyDrafter
-    replica and a TP group); overload, fuzz and soak run on the app as `fly-serve serve` starts it."""
+    replica and a TP group); overload, hostile input, fuzz and soak run on the app as `fly-serve serve`
+    starts it."""
     profiles = lambda argv: [(path.name, names) for path, names in plan(parse(argv))]
     assert profiles([]) == [
         ("cpu-tp2.yaml", ["drafter_kill", "tp_rank_kill"]),
-        ("cpu-default.yaml", ["overload", "schemathesis"]),
+        ("cpu-default.yaml", ["overload", "hostile", "schemathesis"]),
     ]
     assert profiles(["--soak", "10", "--only", "drafter_kill", "soak"]) == [
         ("cpu-tp2.yaml", ["drafter_kill"]),
@@ -77,7 +78,7 @@ def test_fault_run_kills_on_the_replica_profile_and_runs_the_rest_on_the_default
     ]
     # one profile for both: one server runs every scenario
     assert profiles(["--profile", "cpu-tp2"]) == [
-        ("cpu-tp2.yaml", ["drafter_kill", "tp_rank_kill", "overload", "schemathesis"])
+        ("cpu-tp2.yaml", ["drafter_kill", "tp_rank_kill", "overload", "hostile", "schemathesis"])
     ]
 
 
