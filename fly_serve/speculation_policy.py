@@ -90,13 +90,11 @@ class SpeculationPolicy:
         self.under_load = under_load if under_load is not None else UnderLoad()
         self.probe_every, self.probe_k, self.max_probes = probe_every, probe_k, max_probes
         # A row's rounds between probes: probe_every; with a profile measured here (frozen, so the
-        # probes only re-measure acceptance) doubled after each probe that left the plan at k = 0
-        # (up to max_probe_every), back to probe_every once the plan drafts it. Where
-        # drafting costs most of a plain step (a CPU drafter on llama.cpp's kernels) a probe
-        # costs about two plain steps, so a row that keeps not paying must not keep paying that.
+        # probes only re-measure acceptance) doubled after each probe that left the plan at k = 0,
+        # and at least as many as keep the probes' extra seconds at probe_budget of the time
+        # (_budget_gap: where a drafter forward costs a good part of a target step, a probe costs
+        # several plain rounds), up to max_probe_every; back to probe_every once the plan drafts it.
         self.max_probe_every = max(max_probe_every, probe_every)
-        # ... and never closer than a probe's extra seconds over probe_budget of a plain round: where
-        # a drafter forward costs about half a target step, a 4-draft probe costs ~3 plain rounds.
         self.probe_budget = probe_budget
         self._gap: dict[str, int] = {}
         self.width_every = width_every
