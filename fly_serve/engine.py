@@ -85,6 +85,7 @@ class Request:
         self.streamed = 0  # characters of text already handed out by delta()
         self.detokenizer = IncrementalText(tokenizer)
         self.matcher: Matcher | None = None  # its grammar's state after `tokens` (structured output)
+        self.drafter_seen = 0  # tokens the model drafter had when it last drafted this row
 
     @property
     def generated(self) -> list[int]:
@@ -467,7 +468,14 @@ class Engine:
             if not f and req.params.mode_spec.drafter == "model" and row.mla and row.k > 0
         }
         infos = [
-            RowInfo(row.key, row.k, POLICY_KINDS[req.params.mode_spec.drafter], fixed=f, free_k=len(offers.get(b, [])))
+            RowInfo(
+                row.key,
+                row.k,
+                POLICY_KINDS[req.params.mode_spec.drafter],
+                fixed=f,
+                free_k=len(offers.get(b, [])),
+                drafter_lag=len(req.tokens) - req.drafter_seen,
+            )
             for b, (req, row, f) in enumerate(zip(batch, rows, fixed))
         ]
         ks = self.policy.choose(infos)
@@ -548,6 +556,8 @@ class Engine:
             for i, b in enumerate(idx):
                 drafts.tokens[b], drafts.q[b] = got.tokens[i], got.q[i]
             if kind == "model" and not fallback:  # the forwards k "auto" costs and learns MLA from
+                for b in idx:
+                    batch[b].drafter_seen = len(batch[b].tokens)
                 drafts.forwards, drafts.compute_s = got.forwards, got.compute_s
                 drafts.prefix_hit_tokens = _spread(drafts.prefix_hit_tokens, len(rows), idx, got.prefix_hit_tokens)
                 drafts.row_forwards = _spread(drafts.row_forwards, len(rows), idx, got.row_forwards)
@@ -556,6 +566,7 @@ class Engine:
         ahead = [b for b, a in enumerate(held) if a is not None]  # made while the last round was verified
         for b in ahead:
             drafts.tokens[b], drafts.q[b] = held[b].drafts, held[b].q
+            batch[b].drafter_seen = len(batch[b].tokens)
         reported = [b for b in ahead if held[b].forwards is not None]
         drafts.row_forwards = _spread(drafts.row_forwards, len(rows), reported, [held[b].forwards for b in reported])
         self._constrain(batch, drafts)

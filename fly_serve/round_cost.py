@@ -242,6 +242,16 @@ class RoundCostModel:
         out = np.where(forwards > 0, e + c * forwards + d * np.asarray(row_forwards, dtype=float), 0.0)
         return out if out.ndim else float(out)
 
+    def catch_up_s(self, tokens: int) -> float:
+        """Seconds for the drafter to prefill `tokens` it has not seen (a row that decoded plainly
+        since it last drafted, or a prompt it never drafted for): the target's forward over as many
+        tokens, scaled by what a one-row drafter forward costs against a one-token target forward
+        (the same kernels on fewer weights). The profile times no drafter prefill of its own."""
+        if tokens <= 0:
+            return 0.0
+        step = self.verify_s(1)
+        return self.verify_s(tokens) * float(self.draft_s(1, 1)) / step if step > 0 else 0.0
+
     def round_s(self, ks, rows, overlap: bool = False) -> float:
         """Predicted seconds of a round in which row b drafts ks[b] (rows: allocator.RowInfo);
         overlap: with draft-ahead (the module docstring; a row's acceptance gives its bet's chance)."""

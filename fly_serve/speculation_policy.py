@@ -31,8 +31,9 @@ draft one more, and the next time one fewer (a width step; the plan's k's neighb
 the plan weighs it against, so a step costs little where the plan is right).
 
 Exploration. A row the plan leaves at k = 0 for `probe_every` rounds in a row (with a frozen profile,
-a gap that doubles after each probe that did not pay, and at least long enough that probes cost
-`probe_budget` of the time, up to max_probe_every) gets a probe round
+a gap that doubles after each probe that did not pay, up to max_probe_every, and at least long
+enough that probes cost `probe_budget` of the time, the drafter's catch-up of the tokens it missed
+included: RoundCostModel.catch_up_s) gets a probe round
 (with no early stop; at most `max_probes` rows a round): its acceptance is measured again, and the
 cost check sees a drafting round, so a wrong seed (a profile that overprices drafting) corrects
 itself within a few probes, and a row that was written off is tried again. A row alone probes
@@ -58,10 +59,13 @@ from .under_load import UnderLoad
 log = logging.getLogger("fly_serve.speculation_policy")
 
 
+FREE = "\x00free"
+
+
 def free_key(key: str) -> str:
     """Where a model row's free drafts (RowInfo.free_k) keep their acceptance, apart from its
     model drafts: a prompt lookup is kept far more or less often than the drafter's guess."""
-    return key + "\x00free"
+    return key + FREE
 
 
 class SpeculationPolicy:
@@ -142,6 +146,7 @@ class SpeculationPolicy:
                 r.tokens_per_forward or tracker.tokens_per_forward(r.key),
                 r.fixed,
                 r.free_k,
+                r.drafter_lag,
             )
             for r in rows
         ]
@@ -210,7 +215,7 @@ class SpeculationPolicy:
                     self._gap.pop(r.key, None)
             else:
                 idle[r.key] = idle.get(r.key, 0) + 1
-        due = [b for b, r in enumerate(rows) if idle.get(r.key, 0) > self._gap.get(r.key, self.probe_every)]
+        due = [b for b, r in enumerate(rows) if idle.get(r.key, 0) > self._gap_of(r)]
         due.sort(key=lambda b: -idle[rows[b].key])  # stable: batch order among equals
         self._batch_quiet += batch
         if batch and width == 0 and self._batch_quiet <= self.probe_every:
@@ -221,19 +226,32 @@ class SpeculationPolicy:
         for b in due:
             ks[b], idle[rows[b].key] = min(k_probe, self.probe_k, rows[b].k_max), 0
             if self.frozen:  # else the probes feed the cost check too, which needs them regular
-                gap = max(2 * self._gap.get(rows[b].key, self.probe_every), self._budget_gap(rows[b], ks[b]))
-                self._gap[rows[b].key] = min(gap, self.max_probe_every)
+                doubled = min(2 * self._gap.get(rows[b].key, self.probe_every), self.max_probe_every)
+                self._gap[rows[b].key] = max(doubled, self._budget_gap(rows[b], ks[b]))
         if batch and width == 0 and due:
             self._batch_quiet = 0
         self.probes += len(due)
         return ks
 
+    def _gap_of(self, row: RowInfo) -> int:
+        """Rounds a row waits at k = 0 before its next probe; the first probe too waits for its
+        budget where the profile is frozen (its drafter has all the row's tokens to prefill)."""
+        gap = self._gap.get(row.key)
+        if gap is not None:
+            return gap
+        if not self.frozen or row.drafter != MODEL:
+            return self.probe_every
+        return max(self.probe_every, self._budget_gap(row, min(self.probe_k, row.k_max)))
+
     def _budget_gap(self, row: RowInfo, k: int) -> int:
-        """Rounds between probes that keep a k-draft probe's extra seconds (over a plain round) at
-        probe_budget of the plain rounds' time, as the frozen profile prices them."""
+        """Rounds between probes that keep a k-draft probe's extra seconds (over a plain round,
+        with the drafter's catch-up of the tokens it missed) at probe_budget of the plain
+        rounds' time, as the frozen profile prices them. A catch-up that costs more per token
+        than the budget gives a plain round (a drafter forward near a target step) puts the
+        next probe out of reach: the row decodes plainly, with its free drafts."""
         cost = self.cost_for(1)
         plain = cost.round_s([0], [row])
-        extra = cost.round_s([k], [row]) - plain
+        extra = cost.round_s([k], [row]) - plain + cost.catch_up_s(row.drafter_lag)
         return math.ceil(extra / (self.probe_budget * plain)) if plain > 0 and self.probe_budget > 0 else 0
 
     def min_confidence(self, key: str | None = None) -> float:
@@ -268,6 +286,10 @@ class SpeculationPolicy:
         per_row = row_forwards if row_forwards is not None else [None] * len(keys)
         now = [not a for a in ahead] if ahead is not None else [True] * len(keys)
         self.tracker.observe_round(keys, drafted, kept, [f if m else None for f, m in zip(per_row, model)])
+        for key in keys:  # a model row's other source ages too, so that one bad round is not forever
+            other = key[: -len(FREE)] if key.endswith(FREE) else free_key(key)
+            if other in self.tracker.rows:
+                self.tracker.observe(other, 0, 0)
         rows_in_forwards = sum(
             (f if f is not None else min(forwards, math.ceil(n / self.tracker.tokens_per_forward(key) - 1e-9)))
             for key, n, f, m, here in zip(keys, drafted, per_row, model, now)

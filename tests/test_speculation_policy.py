@@ -537,6 +537,7 @@ def test_the_check_corrects_once_and_never_touches_a_profile_measured_here():
 
     here = SpeculationPolicy.from_profile(None)
     here.set_profile(WRONG_SEED, measured_here=True)
+    here.probe_budget = 1.0  # this seed prices a probe at 7 plain rounds: at 5% the first would wait 120
     history = run_policy(here, {"r": 0.8}, verify, draft, 60)
     assert here.check.corrections == 0 and here.profile.source == WRONG_SEED.source
     assert {ks[0] for ks in history} == {0, here.probe_k}  # the seed's plan, probes on the row's count
@@ -576,14 +577,14 @@ def test_a_probe_in_a_batch_rides_at_the_plans_width():
     k (below it a row verifies for free in the padded forward), not at probe_k."""
     policy = SpeculationPolicy.from_profile(flat_profile(0.1, per_forward=0.01, per_row_forward=0.05))
     seen, probed = [], []
-    for _ in range(3 * (policy.probe_every + 1)):
+    for _ in range(6 * (policy.probe_every + 1)):
         before = policy.probes
         ks = policy.choose([RowInfo("fixed", 2, fixed=True), RowInfo("poor", 8, acceptance=0.0)])
         policy.record(["fixed", "poor"], ks, [2, 0], kinds=[MODEL] * 2, draft_s=0.03, verify_s=0.1, forwards=max(ks))
         seen.append(ks[1])
         probed += [ks[1]] * (policy.probes - before)
     # 2 drafts, the plan's width; every probe_every + 1 rounds until the cost check froze its
-    # correction, then at the doubling gap of a frozen profile
+    # correction, then at the gap of a frozen profile (here the budget's: 24 rounds)
     assert probed == [2] * len(probed) and len(probed) >= 2
     assert seen.count(0) == len(seen) - len(probed)  # otherwise the plan leaves it at k 0
 
@@ -976,3 +977,78 @@ def test_a_probe_that_costs_several_plain_rounds_waits_until_it_costs_its_budget
     policy, gaps = probe_gaps(flat_profile(0.1, per_token=0.02, per_forward=0.06), acceptance=0.3)
     assert gaps[0] == 65 and set(gaps[1:]) == {97}
     assert policy._budget_gap(RowInfo("r", 8, acceptance=0.3), 4) == 64
+
+
+def test_the_drafters_catch_up_is_priced_as_its_share_of_a_target_forward():
+    """A drafter that has not seen n tokens prefills them before it drafts: the target's n-token
+    forward scaled by a one-row drafter forward against a one-token target forward."""
+    cost = RoundCostModel(CostProfile([1, 16, 128], [0.08, 0.28, 1.28], 0.0, 0.03, 0.01))
+    assert cost.catch_up_s(0) == 0.0
+    assert cost.catch_up_s(16) == pytest.approx(0.28 * 0.04 / 0.08)
+    assert cost.catch_up_s(100) > cost.catch_up_s(50) > cost.catch_up_s(16)
+
+
+def test_a_row_that_the_drafter_lags_far_behind_decodes_plainly_on_a_frozen_profile():
+    """A drafter forward at half a target step (llama.cpp's pair on a CPU): before a probe the
+    drafter must prefill every token it missed, the prompt too, at more than the budget a plain
+    round gives, so a row that does not draft from the start never probes. Where a drafter forward
+    is a thirtieth of a step (a small drafter beside a large target), the same row probes after
+    probe_every rounds."""
+
+    def first_probe(profile: CostProfile, prompt: int = 90, rounds: int = 300) -> int | None:
+        policy = SpeculationPolicy.from_profile(profile)
+        policy.frozen = True
+        for i in range(rounds):
+            ks = policy.choose([RowInfo("r", 8, acceptance=0.0, drafter_lag=prompt + i)])
+            if ks[0]:
+                return i
+            policy.record(["r"], ks, [0], kinds=[MODEL], draft_s=0.0, verify_s=0.1)
+        return None
+
+    assert first_probe(flat_profile(0.1, per_token=0.02, per_forward=0.05)) is None
+    assert first_probe(flat_profile(0.1, per_token=0.02, per_forward=0.05), prompt=0, rounds=1000) is None
+    assert first_probe(flat_profile(0.1, per_token=0.001, per_forward=0.003)) == SpeculationPolicy().probe_every
+    policy = SpeculationPolicy.from_profile(flat_profile(0.1, per_token=0.02, per_forward=0.05))
+    near, far = (policy._budget_gap(RowInfo("r", 8, drafter_lag=lag), 4) for lag in (0, 90))
+    assert far > near  # the catch-up is in the probe's price
+
+
+def test_free_drafts_that_failed_once_are_tried_again_after_plain_rounds():
+    """A model row whose drafter does not pay and whose prompt lookup failed in its first round:
+    the lookup's estimate ages back toward the prior while the row decodes plainly, so the lookup
+    is tried again (a rewrite's copied body comes after a line that differs)."""
+    # one lookup draft pays above acceptance 0.6: the prior (0.7) does, one failure (0.47) does not
+    policy = SpeculationPolicy.from_profile(flat_profile(0.1, per_token=0.06, per_forward=0.09))
+    policy.frozen = True
+    row = RowInfo("r", 8, drafter_lag=50, free_k=6)
+    chosen = []
+    for i in range(30):
+        ks = policy.choose([row])
+        free = policy.free[0] and ks[0] > 0
+        chosen.append("free" if free else ("model" if ks[0] else "plain"))
+        kept = [0] if i == 0 else [ks[0]]  # the first lookup fails, the later ones hold
+        policy.record(
+            [free_key("r") if free else "r"], ks, kept, kinds=[PLD if free else MODEL], draft_s=0.0, verify_s=0.1
+        )
+    assert chosen[0] == "free" and chosen[1] == "plain"  # one failure puts the lookup below paying
+    assert "free" in chosen[2:] and "model" not in chosen  # and it comes back
+    assert chosen[-1] == "free"
+
+
+def test_the_engine_tells_the_policy_how_far_its_drafter_lags(tiny_pair):
+    """RowInfo.drafter_lag: a row's whole prompt before its first draft, then the tokens committed
+    since the model drafter last drafted it (a round's drafts and its bonus after a drafting round)."""
+    engine = tiny_auto_engine(tiny_pair, flat_profile(0.035, per_token=0.004, per_forward=0.003))
+    seen, choose = [], engine.policy.choose
+    engine.policy.choose = lambda rows: seen.append(rows[0].drafter_lag) or choose(rows)
+    drafter = engine.drafters["model"]
+    req = engine.add("abc def ghi jkl", dict(mode="spd", k="auto", k_max=4, max_tokens=24, temperature=0.0))
+    lags, model_drafted = [], []
+    while not req.finished:
+        forwards, before = drafter.forwards, len(req.tokens)
+        engine.step()
+        lags.append(seen[-1])
+        model_drafted.append(len(req.tokens) - before if drafter.forwards > forwards else None)
+    assert lags[0] == req.n_prompt
+    after = [(lag, n) for lag, n in zip(lags[1:], model_drafted) if n is not None]
+    assert after and all(lag == n for lag, n in after)  # what the drafting round committed
