@@ -483,27 +483,3 @@ def test_the_in_process_engine_is_built_with_the_profiles_engine_config():
     engine.generate([prompt], {"max_tokens": 4})
     again = engine.generate([prompt], {"max_tokens": 4})[0]
     assert again.stats.prefix_hit_tokens > 0  # the second request's prompt came from the cache
-
-
-def test_drafter_int8_down_proj_variants_compute_the_linear_and_decoding_reads_as_whole():
-    """fly_bench.oneoff.drafter_int8: each replacement down_proj computes the layer it replaces
-    (within its quantization), and its two readings of agreement agree where nothing quantizes."""
-    import torch
-
-    from fly_bench.oneoff.drafter_int8 import DOWNS, agreement, argmax_decoding, argmax_whole
-    from fly_serve.tiny import tiny_model
-
-    torch.manual_seed(0)
-    linear = torch.nn.Linear(256, 64, bias=False)
-    x = torch.randn(3, 5, 256)  # [B, T, in]
-    want = linear(x)
-    for name, cls in DOWNS.items():
-        got = cls(linear)(x)
-        assert got.shape == want.shape and got.dtype == torch.float32, name
-        assert (got - want).abs().max() < 0.05 * want.abs().max(), name
-    model = tiny_model(0).eval()
-    seq = torch.randint(0, model.config.vocab_size, (24,))
-    whole = argmax_whole(model, seq)
-    assert torch.equal(argmax_decoding(model, seq, 10)[9:], whole[9:-1])  # fp32: one reading (no next after the last)
-    assert agreement(model, [(10, seq, whole)], decoding=True) == 1.0
-    assert agreement(model, [(10, seq, (whole + 1) % model.config.vocab_size)], decoding=False) == 0.0

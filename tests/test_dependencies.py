@@ -34,7 +34,7 @@ EXTRAS_OF = {
 
 # Files that may also import from an extra the README's install leaves out; such a package is
 # checked by name (its import name is its distribution's), as it is not installed here.
-EXTRA_EXTRAS = {"fly_bench/oneoff/torchao_drafter.py": ["torchao"], "fly_bench/oneoff/grammar_libs.py": ["xgrammar"]}
+EXTRA_EXTRAS: dict[str, list[str]] = {}
 
 
 def norm(name: str) -> str:
