@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     # Serve's own wake-ups, fewer: its controller runs its loop every 0.1 s and each replica and
     # proxy exports metrics every 0.1 s. An idle app with the default profile took 13.9% of a core
     # (1,552 wake-ups a second) and 8.4% (1,214) with these; each wake-up on a 2-core node preempts
-    # a thread of a 2-thread forward (docs/BENCHMARKS.md, "One OpenMP team"). The cost: the
+    # a thread of a 2-thread forward (docs/journal.md, "One OpenMP team"). The cost: the
     # controller reacts (scaling, replica states) up to 0.5 s later. An operator's value wins.
     os.environ.setdefault("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "0.5")
     os.environ.setdefault("RAY_SERVE_METRICS_EXPORT_INTERVAL_MS", "1000")

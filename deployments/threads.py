@@ -32,7 +32,7 @@ def serve_at_priority(nice: int | None) -> int | None:
     later inherits it), and return the nice it runs at; None leaves it. Why: a 2-thread torch
     forward stalls at every barrier when any other process preempts one of its threads, and on a
     CPU node the Ray control plane (controller, raylet, GCS, proxy) and whatever else runs there
-    wake up all the time. Measured on 2 cores with other load (docs/BENCHMARKS.md, "Serving
+    wake up all the time. Measured on 2 cores with other load (docs/journal.md, "Serving
     processes first"). Below the current nice needs root or CAP_SYS_NICE: without it the process
     stays where it is, with a warning (above it, anyone may)."""
     if nice is None:
@@ -58,7 +58,7 @@ def serve_at_priority(nice: int | None) -> int | None:
 # futex), so every one of a forward's hundreds of parallel regions pays a wake-up. A replica that
 # loaded its model on Serve's init thread and ran each call on whichever `asyncio.to_thread` worker
 # was free held 2-3 teams on 2 cores: the second thread of a team sat at 46-73% busy instead of
-# 100%; in one process, a second idle team slowed plain decoding to 0.72-0.84x (docs/BENCHMARKS.md,
+# 100%; in one process, a second idle team slowed plain decoding to 0.72-0.84x (docs/journal.md,
 # "One OpenMP team"). So a serving process loads, verifies, drafts and probes on one thread; the ingress's is
 # its engine loop (engine_loop.py).
 _local = threading.local()

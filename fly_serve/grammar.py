@@ -11,7 +11,7 @@ Why llguidance rather than xgrammar: both compiled every schema measured (nested
 enums, anyOf/oneOf, pattern, $ref); llguidance compiles a schema in 1-2 ms against xgrammar's 2-64
 ms (a schema per request: this is time to first token), and its mask, 0.07-0.5 ms a position, is
 well under 1% of a target forward here; it is one small wheel with no torch dependency, where
-xgrammar pulls triton (docs/BENCHMARKS.md, "Structured output").
+xgrammar pulls triton (docs/journal.md, "Structured output").
 
 llguidance builds its lexer lazily, so a grammar it accepts may still fail on the first tokens
 (a regex of a million repetitions: "too many expressions constructed"), and a grammar that no

@@ -16,7 +16,7 @@ MIN_SEED = -(2**63)
 SAMPLING_EPS = 1e-5
 # The most drafts a round may hold per row (k, k_max) and the longest window: the dense draft
 # distribution costs k x vocab floats a row (64 x 151,936 x 4 B = 39 MB), and a round of more
-# drafts than this never paid in any measurement (docs/BENCHMARKS.md).
+# drafts than this never paid in any measurement (docs/journal.md).
 MAX_K = 64
 # Model-free draft sources (drafters.py): prompt lookup over the row's own tokens, the suffix index
 # over earlier requests of this engine, Token Recycling from the target's own earlier top-k.

@@ -6,7 +6,7 @@ The profile is timed at start on an idle host, each part alone (cost_calibration
 the drafter is not what it timed: a served ingress streams every row's text to its client while
 the drafter runs (the first phase of the next round), and a drafter call catches up the tokens the
 round before accepted. On the 2-core CPU a drafting call cost 1.3-1.6x its prediction relative to
-the verification of the same round, over hundreds of rounds at 8 users (docs/BENCHMARKS.md), and
+the verification of the same round, over hundreds of rounds at 8 users (docs/journal.md), and
 between k 1 and k 3 at 6-8 rows that error decides the plan.
 
 What is corrected is the ratio of the two parts, measured within each round: (drafting seconds /
@@ -21,7 +21,7 @@ to the target's forward, and that price moves with the host: the forward of a fe
 is bound by memory bandwidth, its width by arithmetic, and a busy neighbour on the VM slows the
 first more than the second. On the 2-core CPU two calibrations a few hours apart priced
 [8, 4] / [8, 2] at 1.70 and 1.40; k auto planned k 1 from one and 2-3 drafts from the other, and
-k 2 beat both by 7-16% (docs/BENCHMARKS.md). So with a batch table the target is modelled as
+k 2 beat both by 7-16% (docs/journal.md). So with a batch table the target is modelled as
 base(B) + beta x (table(B, T) - base(B)), base(B) the one-token forward of B rows: beta scales the
 width against the base, and the base's drift cancels. beta comes from pairs of consecutive rounds
 of the same rows count and different widths (seconds apart, the host's speed is the same): their

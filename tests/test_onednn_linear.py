@@ -1,6 +1,6 @@
 """fp32 linear layers packed for oneDNN (fly_serve/onednn_linear.py): the same outputs as nn.Linear,
 a model converted whole still decodes losslessly, and the choice honours its override. Which
-kernel is faster is a benchmark's question (docs/BENCHMARKS.md), not asserted here."""
+kernel is faster is a benchmark's question (docs/journal.md), not asserted here."""
 
 import pytest
 import torch
