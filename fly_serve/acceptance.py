@@ -6,7 +6,7 @@
 
 A row's estimate reads only that row's own rounds and a constant prior, never other requests'
 rounds: a greedy request sent alone twice sees the same estimates round by round, so k "auto"
-plans it the same way (README, "Speculation length").
+plans it the same way (docs/tuning.md, "How k auto plans").
 """
 
 from dataclasses import dataclass

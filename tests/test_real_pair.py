@@ -1,7 +1,7 @@
 """The engine on the real default pair (Qwen2.5-Coder 1.5B target, 0.5B drafter).
 
 Exactness checks run in fp32: bf16 kernels give a multi-token forward slightly different logits
-than a one-token forward, so greedy bf16 runs of spd and ar may drift apart (README)."""
+than a one-token forward, so greedy bf16 runs of spd and ar may drift apart (docs/tuning.md)."""
 
 import pytest
 

@@ -2,7 +2,7 @@
 and every live drafter replica drafts its share of each round; two ingress + target units share
 the pool, each ingress pinned to its own target; outputs equal the in-process engine's. Also the
 load sweep's own mechanics (loadtest/load_sweep.py, in a subprocess: Locust patches the process
-for gevent), and the README's `locust -f loadtest/locustfile.py` run headless against the app."""
+for gevent), and docs/serving.md's `locust -f loadtest/locustfile.py` run headless against the app."""
 
 import csv
 import json
@@ -177,7 +177,7 @@ def test_load_sweep_puts_llama_server_beside_the_app(url, tmp_path):
 
 
 def test_the_readmes_locust_command_runs_from_the_repository_root(url, tmp_path):
-    """`locust -f loadtest/locustfile.py --host <url>` as the README shows it, headless and short:
+    """`locust -f loadtest/locustfile.py --host <url>` as docs/serving.md shows it, headless and short:
     every request answered (Locust exits 1 on any failure), none failed."""
     locust = Path(sys.executable).with_name("locust")  # the console script beside this interpreter
     argv = [str(locust), "-f", "loadtest/locustfile.py", "--headless", "--host", url, "-u", "2", "-r", "2"]
