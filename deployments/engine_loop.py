@@ -188,7 +188,7 @@ class EngineLoop:
         return None
 
     def snapshot(self) -> dict:
-        r = self.last_round
+        r, k_auto = self.last_round, self.engine.policy.report()
         return {
             "rounds": self.rounds,
             "largest_batch": self.largest_batch,
@@ -196,19 +196,9 @@ class EngineLoop:
             "waiting": len(self.engine.waiting),
             "finished": dict(self.finished),
             # k auto under load: the drafter and the width priced as rounds of 2+ rows measure them
-            # (fly_serve/under_load.py)
-            "k_auto_under_load": {
-                "rounds": self.engine.policy.under_load.rounds,
-                "refits": self.engine.policy.under_load.refits,
-                "draft_ratio": self.engine.policy.under_load.applied,
-                "draft_pairs": self.engine.policy.under_load.draft_pairs,
-                "draft_slope": self.engine.policy.under_load.applied_slope,
-                "draft_round_s": self.engine.policy.under_load.applied_round_s,
-                "width_pairs": self.engine.policy.under_load.pairs,
-                "width_beta": self.engine.policy.under_load.applied_beta,
-                "width_steps": self.engine.policy.width_steps,
-            },
-            "k_auto_probes": self.engine.policy.probes,  # rows k auto made draft to measure them again
+            # (fly_serve/under_load.py); probes: rows k auto made draft to measure them again
+            "k_auto_under_load": k_auto["under_load"],
+            "k_auto_probes": k_auto["probes"],
             # mean seconds per round by phase; call minus compute is transport
             "timeline": {phase: s / max(self.rounds, 1) for phase, s in self.timeline.items()},
             "last_round": {

@@ -37,7 +37,7 @@ from .grammar import GrammarFailed, Grammars, Matcher
 from .params import ParamError, Params
 from .request_stats import RequestStats
 from .round_cost import MODEL, NONE, PLD, RECYCLE, SUFFIX, CostProfile
-from .speculation_policy import SpeculationPolicy, free_key
+from .speculation_policy import RoundTrace, SpeculationPolicy, free_key
 from .suffix_index import SuffixIndex
 from .token_recycling import TokenRecycling
 from .verify import decide, plausible_mask, window_positions
@@ -180,7 +180,7 @@ class Engine:
                 if n > 0 and hasattr(runner, "set_threads"):
                     runner.set_threads(n)
         self.ahead.clear()
-        self.policy.overlap = on
+        self.policy.set_overlap(on)
 
     # ---- requests in and out
     def add(
@@ -308,59 +308,69 @@ class Engine:
 
     def _round(self, batch: list[Request]) -> RoundResult:
         """Draft, verify, decide and commit for these requests; nothing is committed unless all
-        of it succeeds. With draft-ahead, a pipeline of two stages: rows whose bet won take the
-        drafts made during the last round, the others draft now; while the target verifies, the
-        drafter drafts the next round (_verify); after the commit the bets are settled (_settle)."""
+        of it succeeds. With draft-ahead (draft_ahead.py) rows whose bet won come with the drafts
+        made during the last round (_held), the drafter drafts the next round while the target
+        verifies (_verify), and the bets are settled after the commit (_settle)."""
         rows = [self._row(r) for r in batch]
         held = self._held(batch, rows)
         free = self._choose_ks(batch, rows, held)
-        t0 = time.perf_counter()
+        clock = [time.perf_counter()]  # the round's phase boundaries: draft, verify, decide
         drafts, fallback = self._draft(batch, rows, held, free)
-        t1 = time.perf_counter()
+        clock.append(time.perf_counter())
         verdict, made, result = self._verify(batch, rows, drafts, fallback)
-        t2 = time.perf_counter()
+        clock.append(time.perf_counter())
         accept_len, loosely = self._decide(batch, drafts, verdict)
-        t3 = time.perf_counter()
+        clock.append(time.perf_counter())
         self._recycle(rows, drafts, verdict)
+        kept, y = accept_len.tolist(), verdict.y.tolist()
+        committed = [self._commit(req, drafts.tokens[b][: kept[b]] + [y[b][kept[b]]]) for b, req in enumerate(batch)]
+        self._account(batch, drafts, verdict, kept, loosely, committed, clock, fallback, result)
+        self.policy.record(self._trace(batch, rows, held, free, drafts, kept, result))
+        self._settle(batch, made, kept, y, result)
+        return result
 
+    @staticmethod
+    def _account(batch, drafts: Drafts, verdict, kept, loosely, committed, clock, fallback, result: RoundResult):
+        """The round's counts and times, in its RoundResult and each request's stats."""
         result.advanced, result.drafting_rows = list(batch), sum(1 for d in drafts.tokens if d)
-        result.draft_s, result.decide_s = t1 - t0, t3 - t2
-        result.verify_s = result.verify_s or t2 - t1
+        result.draft_s, result.decide_s = clock[1] - clock[0], clock[3] - clock[2]
+        result.verify_s = result.verify_s or clock[2] - clock[1]
         result.drafter_fallback = fallback
-        # a remote drafter reports its compute; the rest of the call was transport
-        result.draft_compute_s = t1 - t0 if drafts.compute_s is None else drafts.compute_s
+        # a remote part reports its compute; the rest of the call was transport
+        result.draft_compute_s = result.draft_s if drafts.compute_s is None else drafts.compute_s
         result.verify_compute_s = result.verify_s if verdict.compute_s is None else verdict.compute_s
-        a_list, n_loose, y = accept_len.tolist(), loosely.sum(1).tolist(), verdict.y.tolist()
+        n_loose = loosely.sum(1).tolist()
         for b, req in enumerate(batch):
-            a, n = a_list[b], len(drafts.tokens[b])
-            req.stats.add_round(n, a - n_loose[b], n_loose[b], result)
+            n, loose = len(drafts.tokens[b]), n_loose[b]
+            accepted = kept[b] - loose
+            req.stats.add_round(n, accepted, loose, result)
             result.drafted += n
-            result.accepted += a - n_loose[b]
-            result.loosely_accepted += n_loose[b]
-            before = len(req.generated)
-            committed = self._commit(req, drafts.tokens[b][:a] + [y[b][a]])
-            result.emitted += committed
-            if n_loose[b]:
-                req.stats.note_loose(before, loosely[b], committed)
+            result.accepted += accepted
+            result.loosely_accepted += loose
+            result.emitted += committed[b]
+            if loose:
+                req.stats.note_loose(len(req.generated) - committed[b], loosely[b], committed[b])
             hit, draft_hit = _at(verdict.prefix_hit_tokens, b), _at(drafts.prefix_hit_tokens, b)
             req.stats.add_prefix_hits(hit, draft_hit)
             result.prompt_tokens += req.n_prompt if req.stats.rounds == 1 else 0
             result.prefix_hit_tokens += hit
             result.draft_prefix_hit_tokens += draft_hit
-        self.policy.record(
+
+    @staticmethod
+    def _trace(batch, rows: list[Row], held, free: dict, drafts: Drafts, kept: list[int], result) -> RoundTrace:
+        """What k auto learns from the round: per row how it drafted and what it kept."""
+        return RoundTrace(
             [free_key(r.key) if b in free else r.key for b, r in enumerate(rows)],
             [len(d) for d in drafts.tokens],
-            a_list,
-            kinds=[PLD if b in free else POLICY_KINDS[req.params.mode_spec.drafter] for b, req in enumerate(batch)],
-            draft_s=t1 - t0,
+            kept,
+            [PLD if b in free else POLICY_KINDS[req.params.mode_spec.drafter] for b, req in enumerate(batch)],
+            draft_s=result.draft_s,
             verify_s=result.verify_s,
             forwards=drafts.forwards,
             row_forwards=drafts.row_forwards,
             ahead=[h is not None for h in held],
             prefilled=any(req.stats.rounds == 1 for req in batch),
         )
-        self._settle(batch, made, a_list, y, result)
-        return result
 
     # ---- draft-ahead (draft_ahead.py)
     def _held(self, batch: list[Request], rows: list[Row]) -> list[Ahead | None]:
@@ -441,7 +451,7 @@ class Engine:
             req = batch[b]
             n = len(ahead.guess) - 1
             if a_list[b] == n:  # every draft kept: the guess was one more draft, kept or not
-                self.policy.tracker.observe_guess(req.id, y[b][n] == ahead.guess[-1])
+                self.policy.observe_guess(req.id, y[b][n] == ahead.guess[-1])
             result.ahead_drafted += len(ahead.drafts)
             if not req.finished and ahead.won(req.tokens):
                 self.ahead[req.id] = ahead
@@ -515,16 +525,10 @@ class Engine:
             p.seed,
             entropy,
             rho=rho,
-            row_share=self._row_share(),
+            row_share=self.policy.row_share(),
             mla_sources=p.mla_levels,
             grammar=grammar,
         )
-
-    def _row_share(self) -> float | None:
-        """A row's seconds in a drafter forward over the forward's own, as k auto's cost model
-        prices them (the model drafter carries lookup proposals where they pay, drafters.py)."""
-        _, per_forward, per_row = self.policy.cost.draft_coefficients
-        return float(per_row / per_forward) if per_forward > 0 else None
 
     def _draft(
         self, batch: list[Request], rows: list[Row], held: list[Ahead | None], free: dict[int, list[int]]

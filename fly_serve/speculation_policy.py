@@ -49,6 +49,7 @@ forwards, about twice an ar round, for one row's measurement.)
 
 import logging
 import math
+from dataclasses import dataclass
 
 from .acceptance import AcceptanceTracker
 from .allocator import Plan, RowInfo, min_confidence_for, plan
@@ -60,6 +61,29 @@ log = logging.getLogger("fly_serve.speculation_policy")
 
 
 FREE = "\x00free"
+
+
+@dataclass
+class RoundTrace:
+    """What k auto learns from one finished round (SpeculationPolicy.record), per row: its key
+    (free_key for a row that drafted from its free sources), drafts, kept (accepted + loosely
+    accepted) and how it drafted (round_cost.KINDS; the caller says, since choose may not have
+    run); and for the round: the drafter call's and the target call's seconds, the model
+    drafter's forwards. row_forwards: per row, the drafter forwards it was in, if the drafter
+    reports them (MLA's tokens per forward); ahead: per row, its drafts were made while the
+    round before was verified (in neither this round's forwards nor its draft_s); prefilled: a
+    row's prompt was prefilled in this round's forwards (UnderLoad skips the round)."""
+
+    keys: list[str]
+    drafted: list[int]
+    kept: list[int]
+    kinds: list[str]
+    draft_s: float
+    verify_s: float
+    forwards: int = 0
+    row_forwards: list[int] | None = None
+    ahead: list[bool] | None = None
+    prefilled: bool = False
 
 
 def free_key(key: str) -> str:
@@ -118,6 +142,10 @@ class SpeculationPolicy:
     @classmethod
     def from_profile(cls, profile: CostProfile | dict | None, **tracker_kw) -> "SpeculationPolicy":
         return cls(RoundCostModel(profile), AcceptanceTracker(**tracker_kw))
+
+    def set_overlap(self, on: bool) -> None:
+        """Draft-ahead on or off: a round then costs the longer of drafting and verifying."""
+        self.overlap = on
 
     @property
     def profile(self) -> CostProfile:
@@ -262,52 +290,65 @@ class SpeculationPolicy:
         return min_confidence_for(self.last.rate, self.last.marginal_s)
 
     # ---- after a round
-    def record(
-        self,
-        keys: list[str],
-        drafted: list[int],
-        kept: list[int],
-        *,
-        kinds: list[str],
-        draft_s: float,
-        verify_s: float,
-        forwards: int = 0,
-        row_forwards: list[int] | None = None,
-        ahead: list[bool] | None = None,
-        prefilled: bool = False,
-    ):
-        """One finished round, per row: key, drafts, kept (accepted + loosely accepted), how it
-        drafted (round_cost.KINDS; the caller says, since choose may not have run), and the
-        drafter forwards it was in if the drafter reports them (MLA's tokens per forward).
-        forwards: the model drafter's forwards this round; ahead: per row, its drafts were made
-        while the round before was verified (not in this round's forwards nor its draft_s);
-        prefilled: a row's prompt was prefilled in this round's forwards (UnderLoad skips it)."""
-        model = [kind == MODEL for kind in kinds]
-        per_row = row_forwards if row_forwards is not None else [None] * len(keys)
-        now = [not a for a in ahead] if ahead is not None else [True] * len(keys)
-        self.tracker.observe_round(keys, drafted, kept, [f if m else None for f, m in zip(per_row, model)])
-        for key in keys:  # a model row's other source ages too, so that one bad round is not forever
+    def record(self, trace: RoundTrace) -> None:
+        """One finished round (RoundTrace), whether or not choose ran for it."""
+        t = trace
+        model = [kind == MODEL for kind in t.kinds]
+        per_row = t.row_forwards if t.row_forwards is not None else [None] * len(t.keys)
+        now = [not a for a in t.ahead] if t.ahead is not None else [True] * len(t.keys)
+        self.tracker.observe_round(t.keys, t.drafted, t.kept, [f if m else None for f, m in zip(per_row, model)])
+        for key in t.keys:  # a model row's other source ages too, so that one bad round is not forever
             other = key[: -len(FREE)] if key.endswith(FREE) else free_key(key)
             if other in self.tracker.rows:
                 self.tracker.observe(other, 0, 0)
         rows_in_forwards = sum(
-            (f if f is not None else min(forwards, math.ceil(n / self.tracker.tokens_per_forward(key) - 1e-9)))
-            for key, n, f, m, here in zip(keys, drafted, per_row, model, now)
+            (f if f is not None else min(t.forwards, math.ceil(n / self.tracker.tokens_per_forward(key) - 1e-9)))
+            for key, n, f, m, here in zip(t.keys, t.drafted, per_row, model, now)
             if m and n > 0 and here
         )
-        if len(keys) < 2 or prefilled:
+        if len(t.keys) < 2 or t.prefilled:
             self.under_load.skip()
         else:
-            self.under_load.observe(self.cost, drafted, forwards, rows_in_forwards, draft_s, verify_s)
+            self.under_load.observe(self.cost, t.drafted, t.forwards, rows_in_forwards, t.draft_s, t.verify_s)
         if self.frozen:
             return
         better = self.check.observe(
-            self.cost, point_of(self.cost, drafted), verify_s, forwards, rows_in_forwards, draft_s
+            self.cost, point_of(self.cost, t.drafted), t.verify_s, t.forwards, rows_in_forwards, t.draft_s
         )
         if better is not None:
             log.info("k auto: measured rounds contradict the cost profile's shape; replaced by %s", better.to_dict())
             self.set_profile(better)
             self.frozen = True  # once: from here on plans read this profile only
+
+    def observe_guess(self, key: str, hit: bool) -> None:
+        """Draft-ahead: a round kept all its drafts, and the bonus was (hit) or was not the
+        drafter's own next token, one more draft of the round (AcceptanceTracker.observe_guess)."""
+        self.tracker.observe_guess(key, hit)
+
+    def row_share(self) -> float | None:
+        """A row's seconds in a drafter forward over the forward's own, as the cost model prices
+        them (the model drafter carries lookup proposals where they pay, drafters.py)."""
+        _, per_forward, per_row = self.cost.draft_coefficients
+        return float(per_row / per_forward) if per_forward > 0 else None
+
+    def report(self) -> dict:
+        """What the service shows of k auto (/v1/fly/stats): the model under load (under_load.py)
+        and the rows probed since the start."""
+        u = self.under_load
+        return {
+            "under_load": {
+                "rounds": u.rounds,
+                "refits": u.refits,
+                "draft_ratio": u.applied,
+                "draft_pairs": u.draft_pairs,
+                "draft_slope": u.applied_slope,
+                "draft_round_s": u.applied_round_s,
+                "width_pairs": u.pairs,
+                "width_beta": u.applied_beta,
+                "width_steps": self.width_steps,
+            },
+            "probes": self.probes,
+        }
 
     def release(self, keys):
         for key in keys:

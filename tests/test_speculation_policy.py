@@ -14,7 +14,7 @@ from fly_serve.allocator import RowInfo, allocate, min_confidence_for, plan
 from fly_serve.cost_calibration import batch_shapes, verify_points
 from fly_serve.cost_check import CostCheck, point_of
 from fly_serve.round_cost import MODEL, NONE, PLD, BatchVerify, CostProfile, RoundCostModel
-from fly_serve.speculation_policy import SpeculationPolicy, free_key
+from fly_serve.speculation_policy import RoundTrace, SpeculationPolicy, free_key
 from fly_serve.under_load import UnderLoad, width_price
 
 
@@ -149,13 +149,15 @@ def test_the_cost_model_is_frozen():
     rng = np.random.default_rng(0)
     for _ in range(30):  # noisy rounds at one operating point, within the check's tolerance
         policy.record(
-            ["a", "b"],
-            [8, 8],
-            [4, 2],
-            kinds=[MODEL, MODEL],
-            draft_s=0.08 * rng.uniform(0.9, 1.1),
-            verify_s=0.1 * rng.uniform(0.9, 1.1),
-            forwards=8,
+            RoundTrace(
+                ["a", "b"],
+                [8, 8],
+                [4, 2],
+                kinds=[MODEL, MODEL],
+                draft_s=0.08 * rng.uniform(0.9, 1.1),
+                verify_s=0.1 * rng.uniform(0.9, 1.1),
+                forwards=8,
+            )
         )
     assert policy.choose(rows) == before[0]
     assert np.array_equal(policy.cost.verify_s(np.arange(1, 40)), before[1])
@@ -449,14 +451,16 @@ def run_policy(policy, truth, verify, draft, rounds, *, k_max=8, noise=0.0, nois
         kept = [simulate_round(luck, truth[key], k)[1] for key, k in zip(keys, ks)]
         forwards, jitter = max(ks), clock.uniform(1 - noise, 1 + noise, size=2)
         policy.record(
-            keys,
-            ks,
-            kept,
-            kinds=[MODEL] * len(keys),
-            draft_s=draft(forwards, sum(ks)) * jitter[0],
-            verify_s=verify(sum(k + 1 for k in ks)) * jitter[1],
-            forwards=forwards,
-            row_forwards=ks,
+            RoundTrace(
+                keys,
+                ks,
+                kept,
+                kinds=[MODEL] * len(keys),
+                draft_s=draft(forwards, sum(ks)) * jitter[0],
+                verify_s=verify(sum(k + 1 for k in ks)) * jitter[1],
+                forwards=forwards,
+                row_forwards=ks,
+            )
         )
         history.append(ks)
     return history
@@ -476,7 +480,9 @@ def test_policy_learns_each_rows_acceptance():
         ks = policy.choose(rows)
         assert ks[2] == 10 and all(0 <= k <= 10 for k in ks)
         kept = [simulate_round(rng, truth[key], k)[1] for key, k in zip(truth, ks)]
-        policy.record(list(truth), ks, kept, kinds=[MODEL] * 3, draft_s=0.05, verify_s=0.03, forwards=max(ks))
+        policy.record(
+            RoundTrace(list(truth), ks, kept, kinds=[MODEL] * 3, draft_s=0.05, verify_s=0.03, forwards=max(ks))
+        )
     assert policy.tracker.estimate("good") == pytest.approx(0.9, abs=0.08)
     assert policy.tracker.estimate("fixed") == pytest.approx(0.5, abs=0.15)
     ks = policy.choose([RowInfo(key, 10, fixed=key == "fixed") for key in truth])
@@ -492,14 +498,16 @@ def test_record_takes_each_rows_kind_from_the_caller():
     policy = SpeculationPolicy.from_profile(flat_profile(0.1, per_forward=0.01, per_row_forward=0.002))
     for _ in range(3):
         policy.record(
-            ["lookup", "model"],
-            [6, 4],
-            [6, 4],
-            kinds=[PLD, MODEL],
-            draft_s=0.024,
-            verify_s=0.1,
-            forwards=2,
-            row_forwards=[5, 2],
+            RoundTrace(
+                ["lookup", "model"],
+                [6, 4],
+                [6, 4],
+                kinds=[PLD, MODEL],
+                draft_s=0.024,
+                verify_s=0.1,
+                forwards=2,
+                row_forwards=[5, 2],
+            )
         )
     # The drafter forwards each row was in reach the tracker (MLA: 4 drafts in 2 forwards) for
     # model rows only; a lookup row has no drafter forwards whatever the caller passed.
@@ -580,7 +588,9 @@ def test_a_probe_in_a_batch_rides_at_the_plans_width():
     for _ in range(6 * (policy.probe_every + 1)):
         before = policy.probes
         ks = policy.choose([RowInfo("fixed", 2, fixed=True), RowInfo("poor", 8, acceptance=0.0)])
-        policy.record(["fixed", "poor"], ks, [2, 0], kinds=[MODEL] * 2, draft_s=0.03, verify_s=0.1, forwards=max(ks))
+        policy.record(
+            RoundTrace(["fixed", "poor"], ks, [2, 0], kinds=[MODEL] * 2, draft_s=0.03, verify_s=0.1, forwards=max(ks))
+        )
         seen.append(ks[1])
         probed += [ks[1]] * (policy.probes - before)
     # 2 drafts, the plan's width; every probe_every + 1 rounds until the cost check froze its
@@ -601,7 +611,7 @@ def test_a_batch_whose_only_drafts_are_lookups_probes_one_draft_now_and_then():
         rows = [RowInfo("lookup", 4, drafter=PLD, fixed=True), *(RowInfo(k, 8, acceptance=0.0) for k in keys[1:])]
         ks = policy.choose(rows)
         kinds = [PLD] + [MODEL] * 4
-        policy.record(keys, ks, [0] * 5, kinds=kinds, draft_s=0.01, verify_s=0.1, forwards=max(ks[1:]))
+        policy.record(RoundTrace(keys, ks, [0] * 5, kinds=kinds, draft_s=0.01, verify_s=0.1, forwards=max(ks[1:])))
         probed.append(max(ks[1:]) if policy.probes > before else 0)
     assert ks[0] == 4 and probed == [0] * (period - 1) + [1] + ([0] * (period - 1) + [1]) * 3
 
@@ -641,14 +651,16 @@ def test_rounds_under_load_are_planned_from_the_costs_measured_under_load():
     for _ in range(5 * policy.under_load.every):
         ks = policy.choose(pair)
         policy.record(
-            ["a", "b"],
-            ks,
-            ks,
-            kinds=[MODEL, MODEL],
-            draft_s=draft(max(ks), sum(ks)),
-            verify_s=verify(sum(k + 1 for k in ks)),
-            forwards=max(ks),
-            row_forwards=ks,
+            RoundTrace(
+                ["a", "b"],
+                ks,
+                ks,
+                kinds=[MODEL, MODEL],
+                draft_s=draft(max(ks), sum(ks)),
+                verify_s=verify(sum(k + 1 for k in ks)),
+                forwards=max(ks),
+                row_forwards=ks,
+            )
         )
     assert policy.under_load.refits >= 1
     assert policy.under_load.draft_ratio == pytest.approx(3.0, rel=0.05)
@@ -698,14 +710,16 @@ def test_rounds_under_load_price_the_width_as_they_measure_it(true_width, planne
         slow = 1.0 + 0.3 * math.sin(i / 15)  # drift: the base and the drafter, not the width
         forwards = max(ks)
         policy.record(
-            keys,
-            ks,
-            ks,
-            kinds=[MODEL] * 8,
-            draft_s=(0.03 * forwards + 0.005 * sum(ks)) * slow * (forwards > 0),
-            verify_s=(0.3 + 0.02 * 8) * slow + true_width * 8 * max(ks),
-            forwards=forwards,
-            row_forwards=ks,
+            RoundTrace(
+                keys,
+                ks,
+                ks,
+                kinds=[MODEL] * 8,
+                draft_s=(0.03 * forwards + 0.005 * sum(ks)) * slow * (forwards > 0),
+                verify_s=(0.3 + 0.02 * 8) * slow + true_width * 8 * max(ks),
+                forwards=forwards,
+                row_forwards=ks,
+            )
         )
     assert policy.width_steps > 0 and policy.under_load.pairs >= policy.under_load.min_pairs
     assert policy.under_load.beta == pytest.approx(true_width / 0.03, rel=0.1)
@@ -735,14 +749,16 @@ def test_a_drafting_round_under_load_pays_a_fixed_price_as_the_pairs_read_it(wid
         ks = policy.choose(rows)
         slow, forwards = 1.0 + 0.3 * math.sin(i / 15), max(ks)
         policy.record(
-            keys,
-            ks,
-            ks,
-            kinds=[MODEL] * 8,
-            draft_s=float(truth.draft_s(forwards, sum(ks))) * slow,
-            verify_s=shape(8, forwards + 1) * slow,
-            forwards=forwards,
-            row_forwards=ks,
+            RoundTrace(
+                keys,
+                ks,
+                ks,
+                kinds=[MODEL] * 8,
+                draft_s=float(truth.draft_s(forwards, sum(ks))) * slow,
+                verify_s=shape(8, forwards + 1) * slow,
+                forwards=forwards,
+                row_forwards=ks,
+            )
         )
     policy.choose(rows)
     if width_every:
@@ -925,7 +941,7 @@ def test_in_a_batch_only_the_rows_the_model_plan_idles_may_draft_free():
 
 def test_free_acceptance_is_kept_apart_and_released_with_the_row():
     policy = SpeculationPolicy(cost_model(0.035, per_token=0.008, per_forward=0.02))
-    policy.record([free_key("r")], [5], [5], kinds=[PLD], draft_s=0.0, verify_s=0.05)
+    policy.record(RoundTrace([free_key("r")], [5], [5], kinds=[PLD], draft_s=0.0, verify_s=0.05))
     assert policy.tracker.estimate(free_key("r")) > policy.tracker.estimate("r") == policy.tracker.prior
     policy.release(["r"])
     assert free_key("r") not in policy.tracker.rows
@@ -956,7 +972,7 @@ def probe_gaps(profile: CostProfile, acceptance: float, rounds: int = 400) -> tu
         ks = policy.choose([RowInfo("r", 8, acceptance=acceptance)])
         if ks[0]:
             probes_at.append(i)
-        policy.record(["r"], ks, [0] * 1, kinds=[MODEL], draft_s=0.06 * ks[0], verify_s=0.1, forwards=ks[0])
+        policy.record(RoundTrace(["r"], ks, [0] * 1, kinds=[MODEL], draft_s=0.06 * ks[0], verify_s=0.1, forwards=ks[0]))
     return policy, np.diff(probes_at).tolist()
 
 
@@ -1002,7 +1018,7 @@ def test_a_row_that_the_drafter_lags_far_behind_decodes_plainly_on_a_frozen_prof
             ks = policy.choose([RowInfo("r", 8, acceptance=0.0, drafter_lag=prompt + i)])
             if ks[0]:
                 return i
-            policy.record(["r"], ks, [0], kinds=[MODEL], draft_s=0.0, verify_s=0.1)
+            policy.record(RoundTrace(["r"], ks, [0], kinds=[MODEL], draft_s=0.0, verify_s=0.1))
         return None
 
     assert first_probe(flat_profile(0.1, per_token=0.02, per_forward=0.05)) is None
@@ -1028,7 +1044,9 @@ def test_free_drafts_that_failed_once_are_tried_again_after_plain_rounds():
         chosen.append("free" if free else ("model" if ks[0] else "plain"))
         kept = [0] if i == 0 else [ks[0]]  # the first lookup fails, the later ones hold
         policy.record(
-            [free_key("r") if free else "r"], ks, kept, kinds=[PLD if free else MODEL], draft_s=0.0, verify_s=0.1
+            RoundTrace(
+                [free_key("r") if free else "r"], ks, kept, kinds=[PLD if free else MODEL], draft_s=0.0, verify_s=0.1
+            )
         )
     assert chosen[0] == "free" and chosen[1] == "plain"  # one failure puts the lookup below paying
     assert "free" in chosen[2:] and "model" not in chosen  # and it comes back
