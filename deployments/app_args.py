@@ -3,6 +3,7 @@ handed down as one fly_serve.config.EngineConfig (`engine_config()`); the rest s
 laid out and how it stays up."""
 
 import json
+from dataclasses import fields
 from typing import Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
@@ -120,23 +121,12 @@ class AppArgs(BaseModel):
         return json.loads(v) if isinstance(v, str) else v
 
     def engine_config(self) -> EngineConfig:
-        target, drafter = ("tiny:0", "tiny:1") if self.tiny else (self.target, self.drafter)
-        return EngineConfig(
-            target=target,
-            drafter=drafter,
-            dtype=self.dtype,
-            drafter_precision=self.drafter_precision,
-            max_batch=self.max_batch,
-            max_model_len=self.max_model_len,
-            defaults=dict(self.defaults),
-            speculation_profile=self.speculation_profile,
-            kv_budget_tokens=self.kv_budget_tokens,
-            target_kv_budget_tokens=self.target_kv_budget_tokens,
-            drafter_kv_budget_tokens=self.drafter_kv_budget_tokens,
-            draft_ahead=self.draft_ahead,
-            prefix_cache=self.prefix_cache,
-            runtime=self.runtime,
-        )
+        """The engine's knobs: every EngineConfig field this model has, by the same name (a new
+        engine knob is a field there and a field here, nothing else)."""
+        knobs = {f.name: getattr(self, f.name) for f in fields(EngineConfig) if f.name in type(self).model_fields}
+        if self.tiny:
+            knobs.update(target="tiny:0", drafter="tiny:1")
+        return EngineConfig(**{**knobs, "defaults": dict(self.defaults)})
 
     @property
     def model_name(self) -> str:

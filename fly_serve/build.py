@@ -3,7 +3,7 @@
 Engine together from parts built anywhere (local models, or the Serve ingress's remote proxies),
 so the tokenizer check, the max_model_len clamp and the EOS ids are written once."""
 
-from dataclasses import replace
+from dataclasses import fields, replace
 
 import torch
 
@@ -18,7 +18,6 @@ from .llama_runner import GGUFModel, LlamaRunner
 from .loading import eos_ids, load_config, load_model, load_tokenizer
 from .model_scorer import ModelScorer
 from .params import Params
-from .round_cost import CostProfile
 from .runner import Runner
 from .weights import DEFAULT_DRAFTER, DEFAULT_TARGET, check_same_tokenizer
 
@@ -132,68 +131,41 @@ def assemble_engine(
     return engine
 
 
+def with_knobs(config: EngineConfig, knobs: dict) -> EngineConfig:
+    """config with these EngineConfig fields replaced; an unknown name is a TypeError naming it.
+    defaults may be given as Params."""
+    unknown = sorted(set(knobs) - {f.name for f in fields(EngineConfig)})
+    if unknown:
+        raise TypeError(f"build_engine: no knob named {', '.join(unknown)} (EngineConfig's fields are the knobs)")
+    if isinstance(knobs.get("defaults"), Params):
+        knobs = {**knobs, "defaults": dict(knobs["defaults"].__dict__)}
+    elif "defaults" in knobs:
+        knobs = {**knobs, "defaults": dict(knobs["defaults"] or {})}
+    return replace(config, **knobs)
+
+
 def build_engine(
     target=DEFAULT_TARGET,
     drafter=DEFAULT_DRAFTER,
     *,
     tokenizer=None,
     config: EngineConfig | None = None,
-    dtype: str = "auto",
-    drafter_precision: str = "int8",
-    drafter_head_cut: int | None = None,
-    max_batch: int = 8,
-    max_model_len: int = 4096,
-    defaults: Params | dict | None = None,
-    draft_min_confidence: float = 0.0,
-    speculation_profile: CostProfile | dict | None = None,
-    kv_budget_tokens: int | None = None,
-    target_kv_budget_tokens: int | None = None,
-    drafter_kv_budget_tokens: int | None = None,
-    prefix_cache: bool = False,
-    runtime: str = "auto",
     device=None,
     calibrate: bool | None = None,
     progress=print,
-    draft_ahead: bool = False,
-    draft_threads: int = 0,
-    verify_threads: int = 0,
+    **knobs,
 ) -> Engine:
     """target / drafter: a model name (loading.py) or a loaded model; drafter None: no draft
     model (model-free modes only). With a loaded target, pass its tokenizer. `config`: every
-    other knob at once (EngineConfig); the keywords are its fields for callers without one.
-    KV budgets, in tokens each cache holds (requests are admitted within the target's):
-    target_kv_budget_tokens and drafter_kv_budget_tokens, each defaulting to kv_budget_tokens,
-    which defaults to max_batch sequences of 4096. prefix_cache: share the KV blocks of a common
-    token prefix between requests (kv_cache.py). device: where models given by name load
-    (default: this process's, devices.local_device). drafter_head_cut: cut a drafter loaded by
-    name to the lm_head rows of ids below it (head_cut.py); ignored without a drafter, refused
-    with a loaded one (cut that with head_cut.cut_head).
+    other knob (EngineConfig); `knobs`: EngineConfig's fields by name, over `config` (or over its
+    defaults), for callers without one: a knob is named, defaulted and documented once, there.
+    device: where models given by name load (default: this process's, devices.local_device).
+    A drafter_head_cut is refused with a loaded drafter (cut that with head_cut.cut_head).
     k "auto"'s cost profile: speculation_profile if given (an override), else measured here
     (cost_calibration.py; cached per machine, models and versions) when calibrate is True, or
     None and the defaults use k "auto"; otherwise the uncalibrated default shape, which the
-    policy's cost check corrects from the first rounds (calibrate_engine can still be called).
-    draft_ahead, draft_threads, verify_threads: EngineConfig's (draft_ahead.py). runtime: the
-    models' runtime (loading.resolve_runtime: "auto" runs a GGUF model on llama.cpp's kernels on
-    a CPU)."""
-    if config is None:
-        config = EngineConfig(
-            dtype=dtype,
-            drafter_precision=drafter_precision,
-            drafter_head_cut=drafter_head_cut,
-            max_batch=max_batch,
-            max_model_len=max_model_len,
-            defaults=defaults.__dict__ if isinstance(defaults, Params) else dict(defaults or {}),
-            draft_min_confidence=draft_min_confidence,
-            speculation_profile=speculation_profile,
-            kv_budget_tokens=kv_budget_tokens,
-            target_kv_budget_tokens=target_kv_budget_tokens,
-            drafter_kv_budget_tokens=drafter_kv_budget_tokens,
-            draft_ahead=draft_ahead,
-            draft_threads=draft_threads,
-            verify_threads=verify_threads,
-            prefix_cache=prefix_cache,
-            runtime=runtime,
-        )
+    policy's cost check corrects from the first rounds (calibrate_engine can still be called)."""
+    config = with_knobs(config or EngineConfig(), knobs)
     check_head_cut(config.drafter_head_cut, "drafter_head_cut")
     names = model_name(target), model_name(drafter)  # for the calibration's key, before loading
     # loaded models are not names: the config keeps names only (None for a loaded part)
