@@ -36,16 +36,13 @@ from .drafters import LookupDrafter, PromptLookup, SourceDrafter
 from .grammar import GrammarFailed, Grammars, Matcher
 from .params import ParamError, Params
 from .request_stats import RequestStats
-from .round_cost import MODEL, NONE, PLD, RECYCLE, SUFFIX, CostProfile
+from .round_cost import NONE, PLD, CostProfile
 from .speculation_policy import RoundTrace, SpeculationPolicy, free_key
 from .suffix_index import SuffixIndex
 from .token_recycling import TokenRecycling
 from .verify import decide, plausible_mask, window_positions
 
 log = logging.getLogger("fly_serve.engine")
-
-# The speculation policy's cost kind of each drafter key (params.Mode.drafter).
-POLICY_KINDS = {"model": MODEL, "lookup": PLD, "suffix": SUFFIX, "recycle": RECYCLE, None: NONE}
 
 
 def _at(per_row: list[int] | None, b: int) -> int:
@@ -128,7 +125,7 @@ class Engine:
         self.suffix_index = SuffixIndex(max_tokens=suffix_max_tokens)
         self.recycler = TokenRecycling(scorer.vocab_size, top_k=recycle_top_k)
         self.drafters: dict[str, Drafter | None] = {
-            "lookup": LookupDrafter(),
+            "pld": LookupDrafter(),
             "suffix": SourceDrafter(self.suffix_index),
             "recycle": SourceDrafter(self.recycler),
             "model": drafter,
@@ -363,7 +360,7 @@ class Engine:
             [free_key(r.key) if b in free else r.key for b, r in enumerate(rows)],
             [len(d) for d in drafts.tokens],
             kept,
-            [PLD if b in free else POLICY_KINDS[req.params.mode_spec.drafter] for b, req in enumerate(batch)],
+            [PLD if b in free else req.params.mode_spec.drafter or NONE for b, req in enumerate(batch)],
             draft_s=result.draft_s,
             verify_s=result.verify_s,
             forwards=drafts.forwards,
@@ -481,7 +478,7 @@ class Engine:
             RowInfo(
                 row.key,
                 row.k,
-                POLICY_KINDS[req.params.mode_spec.drafter],
+                req.params.mode_spec.drafter or NONE,
                 fixed=f,
                 free_k=len(offers.get(b, [])),
                 drafter_lag=len(req.tokens) - req.drafter_seen,
@@ -556,7 +553,7 @@ class Engine:
                     raise
                 log.warning("drafter failed; prompt lookup drafts this round", exc_info=True)
                 fallback = True
-                got = self.drafters["lookup"].propose([rows[b] for b in idx])
+                got = self.drafters["pld"].propose([rows[b] for b in idx])
             for i, b in enumerate(idx):
                 drafts.tokens[b], drafts.q[b] = got.tokens[i], got.q[i]
             if kind == "model" and not fallback:  # the forwards k "auto" costs and learns MLA from

@@ -36,8 +36,9 @@ class Mode:
     """What a mode drafts with, and how its drafts are judged."""
 
     name: str
-    # None: no drafts (plain decoding); "lookup": prompt lookup; "suffix": the suffix index over
-    # earlier requests; "recycle": Token Recycling; "model": the draft model (the engine's drafters)
+    # How it drafts, k auto's kinds (round_cost.KINDS) and the engine's drafters by the same name:
+    # None: no drafts (plain decoding); "pld": prompt lookup; "suffix": the suffix index over
+    # earlier requests; "recycle": Token Recycling; "model": the draft model
     drafter: str | None
     loose: bool  # FLy's entropy gate and deferred window decide; False: strict (standard SPD)
     help: str
@@ -47,7 +48,7 @@ MODES: dict[str, Mode] = {
     m.name: m
     for m in (
         Mode("ar", None, False, "plain decoding of the target"),
-        Mode("pld", "lookup", False, "prompt lookup drafts for the target, strict"),
+        Mode("pld", "pld", False, "prompt lookup drafts for the target, strict"),
         Mode("suffix", "suffix", False, "drafts from a suffix index over earlier requests of this engine, strict"),
         Mode("recycle", "recycle", False, "Token Recycling: drafts from the target's own earlier top-k, strict"),
         Mode("spd", "model", False, "standard speculative decoding with the draft model"),
