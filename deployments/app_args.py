@@ -9,7 +9,7 @@ from typing import Literal
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from fly_serve.config import EngineConfig
-from fly_serve.weights import DEFAULT_DRAFTER, DEFAULT_TARGET
+from fly_serve.loading.weights import DEFAULT_DRAFTER, DEFAULT_TARGET
 
 from .placement import DEFAULT_TP_WORKER_OPTIONS
 
@@ -68,7 +68,7 @@ class AppArgs(BaseModel):
     serving_nice: int | None = Field(-10, ge=-20, le=19)
     tp_worker_options: dict = DEFAULT_TP_WORKER_OPTIONS  # Ray actor options of each TP rank (GPUs too)
     speculation_profile: dict | None = None  # k "auto"'s round cost model, as `fly-serve tune-k` writes it
-    # the drafter drafts the next round while the target verifies this one (fly_serve/draft_ahead.py)
+    # the drafter drafts the next round while the target verifies this one (fly_serve/drafting/draft_ahead.py)
     draft_ahead: bool = False
     # Tokens each KV cache holds, all sequences together (the target's, on every TP rank alike, and
     # the drafter's); requests are admitted within it. None: max_batch sequences of 4096 tokens.
@@ -77,9 +77,9 @@ class AppArgs(BaseModel):
     # None: kv_budget_tokens. A drafter budget that does not fit fails the drafter's start.
     target_kv_budget_tokens: int | None = Field(None, ge=KV_BLOCK_TOKENS)
     drafter_kv_budget_tokens: int | None = Field(None, ge=KV_BLOCK_TOKENS)
-    # Share the KV blocks of a common token prefix between requests (fly_serve/kv_cache.py)
+    # Share the KV blocks of a common token prefix between requests (fly_serve/runtime/kv_cache.py)
     prefix_cache: bool = False
-    # the models' runtime (fly_serve/loading.py resolve_runtime): auto runs a GGUF model on
+    # the models' runtime (fly_serve/loading/loading.py resolve_runtime): auto runs a GGUF model on
     # llama.cpp's kernels on a CPU, torch elsewhere
     runtime: Literal["auto", "torch", "llama.cpp"] = "auto"
     # Staying up (deployments/README.md, "Serving that stays up"):

@@ -2,7 +2,7 @@
 
 The ingress's prober runs `calibrate_served` once every part answers, so the service says
 "loading" until the profile is in: the timings go through the same remote parts a round uses
-(fly_serve/cost_calibration.py), and the cache key names the topology, so a TP = 2 target and a
+(fly_serve/k_auto/cost_calibration.py), and the cache key names the topology, so a TP = 2 target and a
 TP = 1 target, or a drafter in its own replica and one in the ingress, each get their own entry.
 A profile given in the app's args overrides it; a failed measurement leaves the default cost shape
 (which the policy's cost check corrects from the first rounds) rather than a service that never
@@ -10,8 +10,8 @@ becomes ready."""
 
 import logging
 
-from fly_serve.cost_calibration import calibrate_engine, calibration_key
-from fly_serve.engine import Engine
+from fly_serve.engine.engine import Engine
+from fly_serve.k_auto.cost_calibration import calibrate_engine, calibration_key
 
 from .app_args import AppArgs
 

@@ -24,12 +24,12 @@ import torch
 from ray import serve
 from ray.serve import metrics
 
+from deployments.row_history import RowHistory
 from fly_serve.build import grammars_for, load_drafter
 from fly_serve.config import EngineConfig
 from fly_serve.contracts import Drafts, Row
-from fly_serve.devices import device_for
-from fly_serve.loading import set_threads
-from fly_serve.row_history import RowHistory
+from fly_serve.loading.loading import set_threads
+from fly_serve.runtime.devices import device_for
 
 from .prometheus import inc
 from .replica_pool import BUSY, BusyPolicy, PinnedRouter

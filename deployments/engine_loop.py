@@ -23,8 +23,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from fly_serve.contracts import RoundResult
-from fly_serve.engine import Engine, Request
-from fly_serve.params import Params
+from fly_serve.engine.engine import Engine, Request
+from fly_serve.engine.params import Params
 
 log = logging.getLogger("fly_serve.engine_loop")
 
@@ -43,7 +43,7 @@ class Update:
 
 # A round's timeline, in order: the loop's own time before it (inbox, admissions), the drafter call
 # and what the drafter computed of it, the target call and its compute, the decision, the hand-out
-# of text to the requests. With draft-ahead (fly_serve/draft_ahead.py) the drafter's call for the
+# of text to the requests. With draft-ahead (fly_serve/drafting/draft_ahead.py) the drafter's call for the
 # next round runs during verify_call ("ahead_call"), and each side may wait for the other:
 # "verify_wait" the drafter idle until the verdict, "draft_wait" the verdict idle until the ahead
 # drafts (only draft_wait adds to the round).
@@ -196,7 +196,7 @@ class EngineLoop:
             "waiting": len(self.engine.waiting),
             "finished": dict(self.finished),
             # k auto under load: the drafter and the width priced as rounds of 2+ rows measure them
-            # (fly_serve/under_load.py); probes: rows k auto made draft to measure them again
+            # (fly_serve/k_auto/under_load.py); probes: rows k auto made draft to measure them again
             "k_auto_under_load": k_auto["under_load"],
             "k_auto_probes": k_auto["probes"],
             # mean seconds per round by phase; call minus compute is transport

@@ -32,9 +32,9 @@ from ray import serve
 from starlette.requests import ClientDisconnect
 
 from fly_serve.build import assemble_engine, load_drafter, load_scorer
-from fly_serve.devices import device_for
-from fly_serve.loading import load_tokenizer, set_threads
-from fly_serve.params import ParamError
+from fly_serve.engine.params import ParamError
+from fly_serve.loading.loading import load_tokenizer, set_threads
+from fly_serve.runtime.devices import device_for
 
 from .admission import Slots, serve_limits
 from .app_args import DEFAULT_MAX_WAITING, AppArgs

@@ -21,7 +21,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 from pydantic.json_schema import models_json_schema
 
-from fly_serve.params import ParamError, knobs
+from fly_serve.engine.params import ParamError, knobs
 
 
 def _api_fields(group: str) -> dict:

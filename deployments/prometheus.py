@@ -37,7 +37,7 @@ class ServingMetrics:
             "Draft tokens kept by FLy's entropy gate and window despite a mismatch.",
         )
         self.emitted = c("fly_spec_decode_num_emitted_tokens", "Tokens committed (drafts + target token).")
-        # draft-ahead (fly_serve/draft_ahead.py); the waits are phases of fly_round_phase_seconds
+        # draft-ahead (fly_serve/drafting/draft_ahead.py); the waits are phases of fly_round_phase_seconds
         self.ahead_hits = c(
             "fly_draft_ahead_hits", "Rows whose next drafts were made while their round was verified, and kept."
         )

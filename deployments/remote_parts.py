@@ -14,8 +14,8 @@ import logging
 import time
 from collections import Counter, OrderedDict
 
+from deployments.row_history import RowSender, rows_unknown
 from fly_serve.contracts import Drafts, Row, Verdict
-from fly_serve.row_history import RowSender, rows_unknown
 
 from .app_args import DEFAULT_CALL_TIMEOUT_S
 from .replica_pool import group_of, group_tag, pick_group, prefix_affinity

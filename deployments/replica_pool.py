@@ -10,7 +10,7 @@ that moves is only a cache miss on its new replica).
 Rows are assigned to groups by rendezvous hashing: when the pool grows from n to n + 1 replicas,
 only about 1/(n + 1) of the rows move.
 
-Prefix affinity. A drafter replica holds a prefix cache (fly_serve/kv_cache.py), so a row is
+Prefix affinity. A drafter replica holds a prefix cache (fly_serve/runtime/kv_cache.py), so a row is
 hashed by its prompt's first AFFINITY_TOKENS tokens (a shorter prompt: by its key): requests
 that share a system prompt or a conversation so far meet the replica that holds its blocks
 (the rule of Ray Serve LLM's prefix-aware router, on tokens). Consistent hashing with bounded

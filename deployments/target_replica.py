@@ -31,13 +31,13 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from fly_serve import tp
+from deployments.row_history import RowHistory
 from fly_serve.build import load_scorer
 from fly_serve.config import EngineConfig
 from fly_serve.contracts import Drafts, Row, Verdict
-from fly_serve.devices import device_for
-from fly_serve.loading import set_threads
-from fly_serve.row_history import RowHistory
+from fly_serve.loading.loading import set_threads
+from fly_serve.runtime import tp
+from fly_serve.runtime.devices import device_for
 
 from .app_args import DEFAULT_RANK_CALL_TIMEOUT_S, DEFAULT_RANK_PING_TIMEOUT_S, DEFAULT_TP_STARTUP_TIMEOUT_S
 from .replica_pool import PinnedRouter

@@ -1,8 +1,8 @@
 """A request's prompt as token ids, off the event loop and off the engine thread."""
 
-from fly_serve.loading import load_tokenizer
-from fly_serve.params import ParamError
-from fly_serve.prompts import chat_text, encode
+from fly_serve.engine.params import ParamError
+from fly_serve.engine.prompts import chat_text, encode
+from fly_serve.loading.loading import load_tokenizer
 
 # A prompt's length in characters proves it too long for the context only beyond this many
 # characters per token: the longest token's text times a margin for normalizers that compose

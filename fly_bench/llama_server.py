@@ -26,9 +26,9 @@ from pathlib import Path
 
 import requests
 
-from fly_serve.llama_runner import LlamaCppMissing, amx_kernels_unsafe, default_threads
-from fly_serve.tp import free_port
-from fly_serve.weights import cache_dir
+from fly_serve.loading.weights import cache_dir
+from fly_serve.runtime.llama_runner import LlamaCppMissing, amx_kernels_unsafe, default_threads
+from fly_serve.runtime.tp import free_port
 
 BUILD = "scripts/build_llama_server.sh"
 START_TIMEOUT_S = 300.0  # loading a GGUF and the server's warm-up run

@@ -17,7 +17,7 @@ llama-server flags without the dashes (`llama-server-draft:spec-draft-n-max=16`)
 import time
 from dataclasses import dataclass, field
 
-from fly_serve.params import MODES, ParamError, Params
+from fly_serve.engine.params import MODES, ParamError, Params
 
 from .timing import timed
 

@@ -16,8 +16,8 @@ import zlib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from fly_serve.loading import RUNTIMES
-from fly_serve.params import MODES
+from fly_serve.engine.params import MODES
+from fly_serve.loading.loading import RUNTIMES
 
 from . import calibrate, datasets, report
 from .methods import Method, Output, Peer, ServerPeer, parse_method, run_engine
@@ -122,8 +122,8 @@ def load_pair(args, methods: list[Method]) -> Bench:
     """The pair's names, tokenizer and context; models load when a method first needs them."""
     import torch
 
-    from fly_serve.loading import load_config, load_tokenizer, resolve_runtime
-    from fly_serve.weights import DEFAULT_DRAFTER, DEFAULT_TARGET
+    from fly_serve.loading.loading import load_config, load_tokenizer, resolve_runtime
+    from fly_serve.loading.weights import DEFAULT_DRAFTER, DEFAULT_TARGET
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -142,7 +142,7 @@ def server_peer(bench: Bench) -> ServerPeer:
     threads the engines' (torch's setting, which LlamaRunner takes too)."""
     import torch
 
-    from fly_serve.loading import gguf_path
+    from fly_serve.loading.loading import gguf_path
 
     from .llama_server import find_binary
 
@@ -177,7 +177,7 @@ def needs_drafter(bench: Bench, runtime: str) -> bool:
 
 def torch_models(bench: Bench) -> tuple:
     """(target, drafter or None) loaded in torch, once: the torch engine's and the hf peers'."""
-    from fly_serve.loading import load_model
+    from fly_serve.loading.loading import load_model
 
     if bench.torch_models is None:
         args = bench.args
@@ -216,7 +216,7 @@ def engine_on(bench: Bench, runtime: str):
 
 def hf_peer(bench: Bench) -> Peer:
     """transformers' generate on the pair loaded in torch (the torch engine's own models, if any)."""
-    from fly_serve.loading import eos_ids
+    from fly_serve.loading.loading import eos_ids
 
     if bench.peer is None:
         target, drafter = torch_models(bench)
@@ -226,7 +226,7 @@ def hf_peer(bench: Bench) -> Peer:
 
 def run_notes(bench: Bench) -> list[str]:
     """What the report says about where each row ran and how."""
-    from fly_serve.loading import gguf_path, resolve_precision
+    from fly_serve.loading.loading import gguf_path, resolve_precision
 
     args = bench.args
     notes = [f"pair: target {bench.target_name}, drafter {bench.drafter_name}; default engine runtime {bench.runtime}"]
@@ -283,7 +283,7 @@ def _quiet(message: str) -> None:
 
 
 def prompt_ids(tokenizer, problem: datasets.Problem) -> list[int]:
-    from fly_serve.prompts import chat_prompt, encode
+    from fly_serve.engine.prompts import chat_prompt, encode
 
     return encode(tokenizer, problem.text) if problem.raw else chat_prompt(tokenizer, problem.text)
 
@@ -332,7 +332,7 @@ def run_peer(bench: Bench, method: Method, prompts, settings) -> list[Output]:
 
 
 def reload_drafter_bf16(bench: Bench, error: Exception):
-    from fly_serve.loading import load_model
+    from fly_serve.loading.loading import load_model
 
     bench.hf_drafter_precision = "bf16"
     bench.notes.append(

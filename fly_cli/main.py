@@ -13,7 +13,7 @@ from dataclasses import MISSING
 from fly_bench import run as bench
 from fly_cli import tune_k
 from fly_cli.pair import add_pair
-from fly_serve.params import ParamError, Params, knobs
+from fly_serve.engine.params import ParamError, Params, knobs
 
 
 def _int_or_word(value: str):
@@ -54,7 +54,7 @@ def params_from(args) -> Params:
 
 def generate(args) -> None:
     from fly_serve.build import build_engine
-    from fly_serve.prompts import chat_prompt
+    from fly_serve.engine.prompts import chat_prompt
 
     def progress(msg):
         print(f"[fly-serve] {msg}", file=sys.stderr, flush=True)

@@ -3,8 +3,8 @@ A module of its own so that main.py and tune_k.py both import it and not each ot
 
 import argparse
 
-from fly_serve.loading import DTYPES, PRECISIONS, RUNTIMES
-from fly_serve.weights import DEFAULT_DRAFTER, DEFAULT_TARGET
+from fly_serve.loading.loading import DTYPES, PRECISIONS, RUNTIMES
+from fly_serve.loading.weights import DEFAULT_DRAFTER, DEFAULT_TARGET
 
 
 def add_pair(p: argparse.ArgumentParser) -> None:

@@ -1,7 +1,7 @@
 """`fly-serve tune-k`: what an operator needs before going live, for one target, one drafter and
 this machine.
 
-1. Cost curves: fly_serve.cost_calibration.measure_profile, the measurement an engine runs at
+1. Cost curves: fly_serve.k_auto.cost_calibration.measure_profile, the measurement an engine runs at
    start (the target's verification seconds by tokens in its forward, the drafter's seconds per
    forward by rows), with this command's k_max, largest batch size and repetitions.
 2. Acceptance. `fly` and `spd` at batch 1 with k = k_max on calibration prompts (code, prose,
@@ -28,11 +28,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import yaml
 
-from fly_serve.acceptance import expected_emitted
-from fly_serve.allocator import RowInfo
 from fly_serve.config import EngineConfig
-from fly_serve.cost_calibration import calibration_key, measure_profile, save_cached
-from fly_serve.round_cost import MODEL, CostProfile, RoundCostModel
+from fly_serve.k_auto.acceptance import expected_emitted
+from fly_serve.k_auto.allocator import RowInfo
+from fly_serve.k_auto.cost_calibration import calibration_key, measure_profile, save_cached
+from fly_serve.k_auto.round_cost import MODEL, CostProfile, RoundCostModel
 
 # Calibration prompts: the kinds of text whose acceptance differs most (code repeats itself and
 # the drafter guesses it well; prose and math less so).
@@ -113,7 +113,7 @@ class Calibration:
 
 
 def calibration_prompts(tokenizer, n: int) -> list[list[int]]:
-    from fly_serve.prompts import chat_prompt
+    from fly_serve.engine.prompts import chat_prompt
 
     return [chat_prompt(tokenizer, CALIBRATION_PROMPTS[i % len(CALIBRATION_PROMPTS)]) for i in range(n)]
 

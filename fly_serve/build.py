@@ -9,17 +9,17 @@ import torch
 
 from .config import EngineConfig
 from .contracts import Drafter, ModelRunner, Scorer
-from .cost_calibration import calibrate_engine, calibration_key, model_name
-from .drafters import ModelDrafter
-from .engine import Engine
-from .grammar import Grammars
-from .head_cut import check_head_cut
-from .llama_runner import GGUFModel, LlamaRunner
-from .loading import eos_ids, load_config, load_model, load_tokenizer
-from .model_scorer import ModelScorer
-from .params import Params
-from .runner import Runner
-from .weights import DEFAULT_DRAFTER, DEFAULT_TARGET, check_same_tokenizer
+from .decision.grammar import Grammars
+from .drafting.drafters import ModelDrafter
+from .engine.engine import Engine
+from .engine.params import Params
+from .k_auto.cost_calibration import calibrate_engine, calibration_key, model_name
+from .loading.head_cut import check_head_cut
+from .loading.loading import eos_ids, load_config, load_model, load_tokenizer
+from .loading.weights import DEFAULT_DRAFTER, DEFAULT_TARGET, check_same_tokenizer
+from .runtime.llama_runner import GGUFModel, LlamaRunner
+from .runtime.model_scorer import ModelScorer
+from .runtime.runner import Runner
 
 
 def logit_width(model) -> int:

@@ -3,10 +3,13 @@ in-process factory (`build.build_engine`), the Serve app (`deployments.app.AppAr
 and the replicas that load a part read the same fields, so a knob is named and defaulted once."""
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from .params import Params
-from .round_cost import CostProfile
-from .weights import DEFAULT_DRAFTER, DEFAULT_TARGET
+from .engine.params import Params
+from .loading.weights import DEFAULT_DRAFTER, DEFAULT_TARGET
+
+if TYPE_CHECKING:
+    from .k_auto.round_cost import CostProfile
 
 
 @dataclass(frozen=True)
@@ -20,7 +23,7 @@ class EngineConfig:
     max_model_len: int = 4096  # clamped to the target's max_position_embeddings
     defaults: dict = field(default_factory=dict)  # Params defaults (mode, k, theta, max_tokens ...)
     draft_min_confidence: float = 0.0
-    speculation_profile: CostProfile | dict | None = None  # k "auto"'s round cost model (`fly-serve tune-k`)
+    speculation_profile: "CostProfile | dict | None" = None  # k "auto"'s round cost model (`fly-serve tune-k`)
     # Tokens each KV cache holds, all sequences together (target on every TP rank alike, drafter);
     # None: max_batch sequences of 4096 tokens. The target's and the drafter's own budgets, when
     # set, win: on a small GPU beside a large drafter the two must be sized apart.

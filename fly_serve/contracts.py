@@ -13,6 +13,14 @@ from typing import Protocol
 import torch
 
 
+class ParamError(ValueError):
+    """A request field with a bad value; `field` is the knob's name as the engine knows it."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field, self.message = field, message
+
+
 @dataclass(frozen=True)
 class RowGrammar:
     """A constrained row's grammar, as a drafter needs it to draft only what it allows."""

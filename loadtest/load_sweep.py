@@ -66,7 +66,7 @@ from fly_bench.prompts import SWEEP_CHATS, TASKS
 
 # `import locust` patches the process for gevent, which takes select.epoll away; huggingface_hub
 # (2.4 on, through httpx2) imports trio, which needs it at import. So the hub is imported first
-# (above, in isort's order: h before l), and transformers (fly_serve.weights, the --check engine)
+# (above, in isort's order: h before l), and transformers (fly_serve.loading.weights, the --check engine)
 # finds it loaded.
 
 PROMPTS: list[str] = list(SWEEP_CHATS)  # what the users send (--prompts replaces them)
@@ -402,7 +402,7 @@ def plot(summary: dict, path: Path, peer: str | None = None) -> bool:
 def check(records: list[Record], n: int, max_tokens: int) -> dict:
     """Greedy texts of n sampled requests against the in-process engine, one request at a time."""
     from fly_serve.build import build_engine
-    from fly_serve.prompts import chat_prompt
+    from fly_serve.engine.prompts import chat_prompt
 
     engine = build_engine()
     sample = records[:: max(1, len(records) // n)][:n]
@@ -513,8 +513,8 @@ def sweep(args, methods: list[Method], out: Path, peers: dict[str, LlamaServer])
 def peer_servers(args, ap) -> list[tuple[str, LlamaServer]]:
     """One llama-server per --peer (not started yet) on the peers' GGUF files, with a slot per
     user at the largest user count; an unknown peer, a missing binary or file: an argument error."""
-    from fly_serve.loading import gguf_path
-    from fly_serve.weights import DEFAULT_DRAFTER, DEFAULT_TARGET
+    from fly_serve.loading.loading import gguf_path
+    from fly_serve.loading.weights import DEFAULT_DRAFTER, DEFAULT_TARGET
 
     out = []
     for spec in args.peer:

@@ -8,7 +8,7 @@ import sys
 import threading
 from pathlib import Path
 
-from fly_serve.tp import free_port
+from fly_serve.runtime.tp import free_port
 
 from .waits import until
 

@@ -28,9 +28,9 @@ from torch.nn.attention import SDPBackend
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 from fly_serve.build import build_engine
-from fly_serve.graphs import DecodeGraphs
-from fly_serve.runner import Runner, attention_mask
-from fly_serve.tiny import LLAMA31_ROPE_SCALING, tiny_tokenizer
+from fly_serve.loading.tiny import LLAMA31_ROPE_SCALING, tiny_tokenizer
+from fly_serve.runtime.graphs import DecodeGraphs
+from fly_serve.runtime.runner import Runner, attention_mask
 
 QWEN_1_5B = dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
                  intermediate_size=8960, vocab_size=151936, tie_word_embeddings=True, rope_theta=1e6,

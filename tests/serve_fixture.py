@@ -3,7 +3,7 @@
 import os
 from pathlib import Path
 
-from fly_serve.tp import free_port
+from fly_serve.runtime.tp import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 

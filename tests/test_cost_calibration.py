@@ -7,11 +7,11 @@ import math
 import pytest
 import torch
 
-from fly_serve import cost_calibration as cc
 from fly_serve.build import build_engine
 from fly_serve.config import EngineConfig
-from fly_serve.params import Params
-from fly_serve.round_cost import CostProfile
+from fly_serve.engine.params import Params
+from fly_serve.k_auto import cost_calibration as cc
+from fly_serve.k_auto.round_cost import CostProfile
 
 
 @pytest.fixture(autouse=True)

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from fly_serve.detokenizer import IncrementalText, find_stop, held_back
-from fly_serve.tiny import tiny_tokenizer
+from fly_serve.engine.detokenizer import IncrementalText, find_stop, held_back
+from fly_serve.loading.tiny import tiny_tokenizer
 
 
 def chunks(ids: list[int], rng: random.Random) -> list[list[int]]:
@@ -51,8 +51,8 @@ def test_random_bytes_including_invalid_utf8():
 
 @pytest.mark.real
 def test_real_tokenizer_random_ids_and_code():
-    from fly_serve.loading import load_tokenizer
-    from fly_serve.weights import DEFAULT_TARGET
+    from fly_serve.loading.loading import load_tokenizer
+    from fly_serve.loading.weights import DEFAULT_TARGET
 
     tok, rng = load_tokenizer(DEFAULT_TARGET, progress=lambda *a: None), random.Random(2)
     code = "def f(x):\n    return '日本' + str(x)  # ✓ done\n\tprint(\"🙂\")\n"

@@ -1,4 +1,4 @@
-"""Draft-ahead (fly_serve/draft_ahead.py): the drafter drafts round r+1 while the target verifies
+"""Draft-ahead (fly_serve/drafting/draft_ahead.py): the drafter drafts round r+1 while the target verifies
 round r. It changes when drafts are made, never which tokens come out: every test compares the
 draft-ahead engine with the sequential one token for token, on tiny random models, with bets
 both won and lost (a drafter close to the target wins some; the target as its own drafter wins
@@ -8,15 +8,15 @@ import pytest
 import torch
 from test_engine import PROMPTS, VARIED, _noisy_copy
 
-from fly_serve.allocator import RowInfo, plan
+from deployments.row_history import RowHistory, RowSender
 from fly_serve.build import build_engine
 from fly_serve.contracts import Row
-from fly_serve.draft_ahead import Stages
-from fly_serve.drafters import ModelDrafter
-from fly_serve.round_cost import MODEL, RoundCostModel
-from fly_serve.row_history import RowHistory, RowSender
-from fly_serve.runner import Runner
-from fly_serve.tiny import tiny_tokenizer
+from fly_serve.drafting.draft_ahead import Stages
+from fly_serve.drafting.drafters import ModelDrafter
+from fly_serve.k_auto.allocator import RowInfo, plan
+from fly_serve.k_auto.round_cost import MODEL, RoundCostModel
+from fly_serve.loading.tiny import tiny_tokenizer
+from fly_serve.runtime.runner import Runner
 
 CLOSE = _noisy_copy(VARIED, 0.003)  # agrees with the target often enough to win bets and lose some
 

@@ -8,15 +8,15 @@ import numpy as np
 import pytest
 import torch
 
-from fly_serve.allocator import RowInfo, allocate
 from fly_serve.contracts import Drafts, Row
-from fly_serve.drafters import ModelDrafter, SourceDrafter
-from fly_serve.model_scorer import ModelScorer
-from fly_serve.round_cost import PLD, RECYCLE, SUFFIX, RoundCostModel
-from fly_serve.runner import Runner
-from fly_serve.suffix_index import SuffixIndex, _bucket, _buckets, _window_hashes
-from fly_serve.tiny import tiny_model
-from fly_serve.token_recycling import TokenRecycling
+from fly_serve.drafting.drafters import ModelDrafter, SourceDrafter
+from fly_serve.drafting.suffix_index import SuffixIndex, _bucket, _buckets, _window_hashes
+from fly_serve.drafting.token_recycling import TokenRecycling
+from fly_serve.k_auto.allocator import RowInfo, allocate
+from fly_serve.k_auto.round_cost import PLD, RECYCLE, SUFFIX, RoundCostModel
+from fly_serve.loading.tiny import tiny_model
+from fly_serve.runtime.model_scorer import ModelScorer
+from fly_serve.runtime.runner import Runner
 
 # ---- SuffixIndex ---------------------------------------------------------------------------
 

@@ -8,10 +8,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from fly_serve.build import build_engine
-from fly_serve.head_cut import CutHead, cut_head
-from fly_serve.loading import load_model, quantize_int8
-from fly_serve.tiny import tiny_model, tiny_tokenizer
-from fly_serve.weights import converted_path
+from fly_serve.loading.head_cut import CutHead, cut_head
+from fly_serve.loading.loading import load_model, quantize_int8
+from fly_serve.loading.tiny import tiny_model, tiny_tokenizer
+from fly_serve.loading.weights import converted_path
 
 CUT = 100  # ids below it, plus the tiny tokenizer's added tokens
 ADDED = (256, 257, 258)

@@ -5,15 +5,15 @@ import os
 import pytest
 import torch
 
-from fly_serve import prompt_lookup
 from fly_serve.build import build_engine
 from fly_serve.contracts import Row
-from fly_serve.drafters import ModelDrafter, lookups_pay, stopping
-from fly_serve.engine import Engine
-from fly_serve.params import ParamError, Params
-from fly_serve.round_cost import CostProfile
-from fly_serve.runner import Runner
-from fly_serve.tiny import tiny_model, tiny_tokenizer
+from fly_serve.drafting import prompt_lookup
+from fly_serve.drafting.drafters import ModelDrafter, lookups_pay, stopping
+from fly_serve.engine.engine import Engine
+from fly_serve.engine.params import ParamError, Params
+from fly_serve.k_auto.round_cost import CostProfile
+from fly_serve.loading.tiny import tiny_model, tiny_tokenizer
+from fly_serve.runtime.runner import Runner
 
 DEVICE = os.environ.get("FLY_TEST_DEVICE", "cpu")  # "cuda" on a GPU host (the device check: scripts/gpu_check.py)
 TARGET, DRAFTER = tiny_model(seed=0).to(DEVICE), tiny_model(seed=1, num_hidden_layers=1).to(DEVICE)
@@ -567,7 +567,7 @@ def test_suffix_index_of_the_engine_stays_within_its_bound():
 
 
 def test_auto_precision_follows_the_hardware(monkeypatch):
-    from fly_serve import loading
+    from fly_serve.loading import loading
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(loading, "cpu_has_bf16", lambda: False)

@@ -8,15 +8,15 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from fly_serve import loading
 from fly_serve.build import build_engine
-from fly_serve.devices import device_for, local_device, tp_backend
-from fly_serve.drafters import ModelDrafter
-from fly_serve.prompts import bos_ids, chat_prompt, completion_prompt, encode
-from fly_serve.runner import Runner, grown_from
-from fly_serve.sharded_load import load_shard
-from fly_serve.tiny import TINY_VOCAB_SIZE, tiny_llama, tiny_model, tiny_tokenizer
-from fly_serve.tp import init_group
+from fly_serve.drafting.drafters import ModelDrafter
+from fly_serve.engine.prompts import bos_ids, chat_prompt, completion_prompt, encode
+from fly_serve.loading import loading
+from fly_serve.loading.sharded_load import load_shard
+from fly_serve.loading.tiny import TINY_VOCAB_SIZE, tiny_llama, tiny_model, tiny_tokenizer
+from fly_serve.runtime.devices import device_for, local_device, tp_backend
+from fly_serve.runtime.runner import Runner, grown_from
+from fly_serve.runtime.tp import init_group
 
 BOS = "<|begin_of_text|>"
 
@@ -160,7 +160,7 @@ def test_llama31_rope_scaling_survives_the_sharded_loader(tmp_path):
 def test_plain_causal_cases_drop_the_mask_and_agree_with_it():
     from torch.nn.attention.bias import CausalBias
 
-    from fly_serve.runner import attention_mask
+    from fly_serve.runtime.runner import attention_mask
 
     torch.manual_seed(0)
     for starts, T in (([7, 7], 1), ([0, 0], 5), ([4], 3), ([3, 6], 1), ([0, 2], 4)):
@@ -182,7 +182,7 @@ def test_plain_causal_cases_drop_the_mask_and_agree_with_it():
 
 
 def test_capture_is_chosen_on_cuda_only():
-    from fly_serve.graphs import capture_mode
+    from fly_serve.runtime.graphs import capture_mode
 
     assert capture_mode("cpu") == "off"  # auto: a no-op on the CPU
     assert capture_mode("cuda:0") == "graphs"
@@ -196,7 +196,7 @@ def test_capture_is_chosen_on_cuda_only():
 
 
 def test_the_captured_step_equals_the_eager_forward():
-    from fly_serve.graphs import DecodeGraphs
+    from fly_serve.runtime.graphs import DecodeGraphs
 
     model = tiny_model(0)
     eager, static = Runner(model, n_slots=4), Runner(model, n_slots=4)
@@ -216,7 +216,7 @@ def test_the_captured_step_equals_the_eager_forward():
 
 def test_a_rank_whose_verdict_is_unread_does_not_sample():
     from fly_serve.contracts import Drafts, Row
-    from fly_serve.model_scorer import ModelScorer
+    from fly_serve.runtime.model_scorer import ModelScorer
 
     row = Row(key="a", tokens=[5, 6, 7, 8], k=2, temperature=1.0, seed=3)
     drafts = Drafts([[9, 10]], [torch.full((2, TINY_VOCAB_SIZE), 1.0 / TINY_VOCAB_SIZE)])
@@ -231,7 +231,7 @@ def test_a_rank_whose_verdict_is_unread_does_not_sample():
 def test_a_top_p_q_travels_sparse_and_verifies_the_same():
     import pickle
 
-    from fly_serve.sampling import probs, speculative_row, wire_q
+    from fly_serve.decision.sampling import probs, speculative_row, wire_q
 
     torch.manual_seed(0)
     V = 50_000

@@ -16,10 +16,10 @@ from test_row_history import Handle, Replica
 from deployments.remote_parts import RemoteDrafter, RemoteScorer
 from fly_serve.build import EngineConfig, assemble_engine, build_engine, grammars_for, load_drafter, load_scorer
 from fly_serve.contracts import Drafts, Row, RowGrammar
-from fly_serve.grammar import DraftMatchers, Grammars, unpack
-from fly_serve.loading import load_tokenizer
-from fly_serve.params import ParamError, Params
-from fly_serve.tiny import tiny_model, tiny_tokenizer
+from fly_serve.decision.grammar import DraftMatchers, Grammars, unpack
+from fly_serve.engine.params import ParamError, Params
+from fly_serve.loading.loading import load_tokenizer
+from fly_serve.loading.tiny import tiny_model, tiny_tokenizer
 
 DEVICE = os.environ.get("FLY_TEST_DEVICE", "cpu")  # "cuda" on a GPU host: the masks then apply on the device
 TARGET, DRAFTER = tiny_model(seed=0).to(DEVICE), tiny_model(seed=1, num_hidden_layers=1).to(DEVICE)
@@ -179,7 +179,7 @@ def test_a_grammar_the_library_gives_up_on_midway_fails_its_request_alone():
 def test_a_deep_schema_is_moved_into_defs_and_means_the_same():
     """Past the library's 128 levels, subschemas move to $defs and every $ref into them follows:
     the schema accepts and refuses what the original does."""
-    from fly_serve.grammar import LIBRARY_DEPTH, json_depth, shallow_schema
+    from fly_serve.decision.grammar import LIBRARY_DEPTH, json_depth, shallow_schema
 
     def nested(levels: int, leaf) -> dict:
         for _ in range(levels):
@@ -252,7 +252,7 @@ def test_sampling_stays_exact_when_a_sampled_draft_leaves_the_grammar():
     a and 1/2 on c, which the grammar refuses. With the refused draft kept for its rejection
     (the residual (p - q)+ is all on b), the emitted token is distributed as p; drawing from p
     at a cut draft instead would give a 3/4 of the time."""
-    from fly_serve.sampling import speculative_row
+    from fly_serve.decision.sampling import speculative_row
 
     eng = engine()
     req = eng.add(PROMPTS[0], dict(mode="spd", regex="[ab]", temperature=1.0, max_tokens=4))

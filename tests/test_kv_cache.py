@@ -6,9 +6,9 @@ write past the budget raises KVCacheFull and leaves everything as it was."""
 import pytest
 import torch
 
-from fly_serve.kv_cache import KVCache, KVCacheFull, budget_from_device, cdiv
-from fly_serve.runner import Runner
-from fly_serve.tiny import tiny_model
+from fly_serve.loading.tiny import tiny_model
+from fly_serve.runtime.kv_cache import KVCache, KVCacheFull, budget_from_device, cdiv
+from fly_serve.runtime.runner import Runner
 
 MODEL = tiny_model(seed=0)
 BS = 4  # small blocks, so that a few tokens cross block boundaries
@@ -159,7 +159,7 @@ def test_budgets_give_the_expected_number_of_blocks():
 
 
 def test_prefill_groups_join_similar_lags_within_the_caps():
-    from fly_serve.runner import prefill_groups
+    from fly_serve.runtime.runner import prefill_groups
 
     assert prefill_groups([]) == []
     assert prefill_groups([50, 44, 47, 41]) == [[0, 2, 1, 3]]  # longest first; 200 padded, 18 padding

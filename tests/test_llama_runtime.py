@@ -1,4 +1,4 @@
-"""The llama.cpp runtime (fly_serve/llama_runner.py) on a tiny random model written as GGUF: its
+"""The llama.cpp runtime (fly_serve/runtime/llama_runner.py) on a tiny random model written as GGUF: its
 logits against the torch model's, the KV cache's content rule (rollback, catch-up, prefix
 sharing, eviction, a full cache), and the engine on top of it (spd and strict FLy give the
 runtime's own plain greedy text)."""
@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from fly_serve.build import build_engine
-from fly_serve.kv_cache import KVCacheFull
-from fly_serve.llama_runner import LlamaRunner
-from fly_serve.loading import load_model, resolve_runtime
-from fly_serve.tiny import tiny_model, tiny_tokenizer
-from fly_serve.weights import DEFAULT_TARGET
+from fly_serve.loading.loading import load_model, resolve_runtime
+from fly_serve.loading.tiny import tiny_model, tiny_tokenizer
+from fly_serve.loading.weights import DEFAULT_TARGET
+from fly_serve.runtime.kv_cache import KVCacheFull
+from fly_serve.runtime.llama_runner import LlamaRunner
 
 TOL = 2e-3  # llama.cpp keeps K and V in f16; the torch model computes them in fp32
 
@@ -184,8 +184,8 @@ def test_without_the_native_part_auto_says_why_and_runs_torch_and_llama_cpp_fail
     """llama-cpp-python made unimportable in a child process (as a failed build leaves it)."""
     code = (
         "import sys; sys.modules['llama_cpp'] = None\n"
-        "from fly_serve.loading import resolve_runtime\n"
-        "from fly_serve.weights import DEFAULT_TARGET\n"
+        "from fly_serve.loading.loading import resolve_runtime\n"
+        "from fly_serve.loading.weights import DEFAULT_TARGET\n"
         "print('auto ->', resolve_runtime('auto', DEFAULT_TARGET))\n"
         "resolve_runtime('llama.cpp', DEFAULT_TARGET)\n"
     )

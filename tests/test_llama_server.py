@@ -14,7 +14,7 @@ import pytest
 from fly_bench import run
 from fly_bench.llama_server import LlamaServer, LlamaServerMissing, find_binary
 from fly_bench.methods import parse_method
-from fly_serve.loading import gguf_path
+from fly_serve.loading.loading import gguf_path
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = [[5, 17, 42, 99, 3, 8], [1, 2, 3, 4, 5, 6, 7, 30, 31]]

@@ -144,7 +144,7 @@ def test_fuzz_draws_fresh_cases_and_records_every_server_error():
     from fastapi.responses import JSONResponse
     from pydantic import BaseModel, ConfigDict
 
-    from fly_serve.tp import free_port
+    from fly_serve.runtime.tp import free_port
     from loadtest.fuzz import fuzz_app
 
     class Body(BaseModel):

@@ -12,8 +12,8 @@ import torch
 from serve_fixture import start_serve, stop_serve
 
 from fly_serve.build import build_engine
-from fly_serve.params import MAX_K, SAMPLING_EPS, ParamError
-from fly_serve.tiny import tiny_model, tiny_tokenizer
+from fly_serve.engine.params import MAX_K, SAMPLING_EPS, ParamError
+from fly_serve.loading.tiny import tiny_model, tiny_tokenizer
 
 SUBNORMAL = 2.225073858507e-311  # what schemathesis sent as a temperature (a 500 before)
 EDGES = {
@@ -172,7 +172,7 @@ def test_pinned_fuzz_case_subnormal_temperature_with_junk_keys(url):
 
 def test_sampling_probs_of_accepted_values_are_finite():
     """The sampler's own edge: the smallest accepted temperature and top_p give a distribution."""
-    from fly_serve.sampling import probs
+    from fly_serve.decision.sampling import probs
 
     logits = torch.randn(3, 50) * 30
     for t, top_p in ((SAMPLING_EPS, 1.0), (SAMPLING_EPS, SUBNORMAL), (100.0, 1e-9)):

@@ -1,4 +1,4 @@
-"""fp32 linear layers packed for oneDNN (fly_serve/onednn_linear.py): the same outputs as nn.Linear,
+"""fp32 linear layers packed for oneDNN (fly_serve/runtime/onednn_linear.py): the same outputs as nn.Linear,
 a model converted whole still decodes losslessly, and the choice honours its override. Which
 kernel is faster is a benchmark's question (docs/journal.md), not asserted here."""
 
@@ -6,10 +6,10 @@ import pytest
 import torch
 from torch import nn
 
-from fly_serve import onednn_linear
 from fly_serve.build import build_engine
-from fly_serve.loading import load_model, load_tokenizer
-from fly_serve.onednn_linear import ENV, PackedLinear, choose, pack
+from fly_serve.loading.loading import load_model, load_tokenizer
+from fly_serve.runtime import onednn_linear
+from fly_serve.runtime.onednn_linear import ENV, PackedLinear, choose, pack
 
 pytestmark = pytest.mark.skipif(not onednn_linear.available(), reason="this torch has no oneDNN linear")
 
@@ -73,7 +73,7 @@ def test_the_choice_honours_its_override_and_keeps_small_or_non_fp32_models_dens
 
 
 def test_the_cost_profiles_key_names_the_kernels_chosen_at_load(monkeypatch):
-    from fly_serve.cost_calibration import machine
+    from fly_serve.k_auto.cost_calibration import machine
 
     assert machine()["linear"] == "none"
     monkeypatch.setenv(ENV, "dense")
@@ -88,7 +88,7 @@ def test_the_cost_profiles_key_names_the_kernels_chosen_at_load(monkeypatch):
 
 
 def test_the_timed_layer_is_never_the_head_cut_or_whole(monkeypatch):
-    from fly_serve.head_cut import CutHead
+    from fly_serve.loading.head_cut import CutHead
 
     model = nn.Module()
     model.layer = nn.Linear(1024, 1024)

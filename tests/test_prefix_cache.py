@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from fly_serve.build import build_engine
-from fly_serve.kv_cache import KVCacheFull, block_hash
-from fly_serve.runner import Runner
-from fly_serve.tiny import tiny_model
+from fly_serve.loading.tiny import tiny_model
+from fly_serve.runtime.kv_cache import KVCacheFull, block_hash
+from fly_serve.runtime.runner import Runner
 
 MODEL = tiny_model(seed=0)
 BS = 4

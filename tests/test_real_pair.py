@@ -6,9 +6,9 @@ than a one-token forward, so greedy bf16 runs of spd and ar may drift apart (doc
 import pytest
 
 from fly_serve.build import build_engine
-from fly_serve.loading import load_model, load_tokenizer
-from fly_serve.prompts import chat_prompt
-from fly_serve.weights import DEFAULT_DRAFTER, DEFAULT_TARGET, check_same_tokenizer
+from fly_serve.engine.prompts import chat_prompt
+from fly_serve.loading.loading import load_model, load_tokenizer
+from fly_serve.loading.weights import DEFAULT_DRAFTER, DEFAULT_TARGET, check_same_tokenizer
 
 pytestmark = pytest.mark.real
 

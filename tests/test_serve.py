@@ -12,9 +12,9 @@ from serve_fixture import start_serve, stop_serve
 
 from fly_serve.build import build_engine
 from fly_serve.contracts import Drafts, Row
-from fly_serve.loading import load_model, load_tokenizer
-from fly_serve.model_scorer import ModelScorer
-from fly_serve.runner import Runner
+from fly_serve.loading.loading import load_model, load_tokenizer
+from fly_serve.runtime.model_scorer import ModelScorer
+from fly_serve.runtime.runner import Runner
 
 pytestmark = pytest.mark.serve
 

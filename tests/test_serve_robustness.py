@@ -547,7 +547,7 @@ def test_a_poison_request_fails_alone_and_the_service_stays_healthy(url):
     """Issue 17: a request that fails for its own reasons (its prompt breaks the target's forward)
     fails with its clean error, alone in the batch or beside healthy requests, which are answered;
     /healthz stays 200, and a healthy request sent right after is answered."""
-    from fly_serve.tiny import POISON_ID
+    from fly_serve.loading.tiny import POISON_ID
 
     poison = f"{url}/poison"
     bad = {"prompt": f"ring the bell {chr(POISON_ID)} now", "max_tokens": 8}

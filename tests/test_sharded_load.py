@@ -9,11 +9,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from fly_serve import tp
-from fly_serve.runner import Runner
-from fly_serve.sharded_load import INDEX, load_shard
-from fly_serve.tiny import tiny_model
-from fly_serve.weights import DEFAULT_TARGET, cache_dir
+from fly_serve.loading.sharded_load import INDEX, load_shard
+from fly_serve.loading.tiny import tiny_model
+from fly_serve.loading.weights import DEFAULT_TARGET, cache_dir
+from fly_serve.runtime import tp
+from fly_serve.runtime.runner import Runner
 
 SEED = 3
 TOKENS = [5, 17, 42, 99, 7, 3, 250, 11]
@@ -147,7 +147,7 @@ if kind == "full":
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
 else:
-    from fly_serve.sharded_load import load_shard
+    from fly_serve.loading.sharded_load import load_shard
     model = load_shard(path, torch.bfloat16, int(kind), 2)
 done.set()
 watcher.join()
@@ -159,8 +159,8 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, peak[0], weight
 SAME = """
 import sys, torch
 from transformers import AutoModelForCausalLM
-from fly_serve import tp
-from fly_serve.sharded_load import load_shard
+from fly_serve.runtime import tp
+from fly_serve.loading.sharded_load import load_shard
 rank, path = int(sys.argv[1]), sys.argv[2]
 ref = tp.shard(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), rank, 2).state_dict()
 got = load_shard(path, torch.float32, rank, 2).state_dict()

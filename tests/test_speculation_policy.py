@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 import yaml
 
-from fly_serve.acceptance import AcceptanceTracker, expected_emitted
-from fly_serve.allocator import RowInfo, allocate, min_confidence_for, plan
-from fly_serve.cost_calibration import batch_shapes, verify_points
-from fly_serve.cost_check import CostCheck, point_of
-from fly_serve.round_cost import MODEL, NONE, PLD, BatchVerify, CostProfile, RoundCostModel
-from fly_serve.speculation_policy import RoundTrace, SpeculationPolicy, free_key
-from fly_serve.under_load import UnderLoad, width_price
+from fly_serve.k_auto.acceptance import AcceptanceTracker, expected_emitted
+from fly_serve.k_auto.allocator import RowInfo, allocate, min_confidence_for, plan
+from fly_serve.k_auto.cost_calibration import batch_shapes, verify_points
+from fly_serve.k_auto.cost_check import CostCheck, point_of
+from fly_serve.k_auto.round_cost import MODEL, NONE, PLD, BatchVerify, CostProfile, RoundCostModel
+from fly_serve.k_auto.speculation_policy import RoundTrace, SpeculationPolicy, free_key
+from fly_serve.k_auto.under_load import UnderLoad, width_price
 
 
 def cost_model(verify_at_1=0.02, per_token=0.0, per_forward=0.0, per_row_forward=0.0, per_round=0.0):
@@ -850,14 +850,14 @@ class FakeTime:
 
 @pytest.fixture(scope="module")
 def tiny_pair():
-    from fly_serve.loading import load_model
+    from fly_serve.loading.loading import load_model
 
     return load_model("tiny:0", "fp32"), load_model("tiny:1", "int8")
 
 
 def tiny_auto_engine(tiny_pair, profile):
     from fly_serve.build import build_engine
-    from fly_serve.tiny import tiny_tokenizer
+    from fly_serve.loading.tiny import tiny_tokenizer
 
     target, drafter = tiny_pair
     return build_engine(
@@ -879,7 +879,7 @@ def run_alone(engine, prompt: str) -> tuple[list[int], list[int]]:
 def test_the_same_request_alone_gets_the_same_plan_and_text(tiny_pair, monkeypatch):
     """The same prompt alone, several times on one engine and on a fresh one, under different
     wall-clock noise: identical tokens and identical drafts round by round."""
-    import fly_serve.engine as engine_module
+    import fly_serve.engine.engine as engine_module
 
     # The profile the fake clock realizes: a round's draft and verify calls take one tick each.
     tick = 0.05

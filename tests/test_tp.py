@@ -4,9 +4,9 @@ every rank adopts the same blocks (a third row sharing the first one's prefix)."
 import torch
 import torch.multiprocessing as mp
 
-from fly_serve.runner import Runner
-from fly_serve.tiny import tiny_model
-from fly_serve.tp import free_port, init_group, shard
+from fly_serve.loading.tiny import tiny_model
+from fly_serve.runtime.runner import Runner
+from fly_serve.runtime.tp import free_port, init_group, shard
 
 TOKENS = [[5, 17, 42, 99, 7, 3, 250, 11], [1, 2, 3]]
 

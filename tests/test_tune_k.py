@@ -9,9 +9,9 @@ from tqdm import tqdm
 from fly_cli import tune_k
 from fly_cli.main import main
 from fly_serve.build import build_engine
-from fly_serve.cost_calibration import verify_points
-from fly_serve.params import Params
-from fly_serve.round_cost import CostProfile, RoundCostModel
+from fly_serve.engine.params import Params
+from fly_serve.k_auto.cost_calibration import verify_points
+from fly_serve.k_auto.round_cost import CostProfile, RoundCostModel
 
 QUICK = ["tune-k", "--target", "tiny:0", "--drafter", "tiny:1", "--quick"]
 

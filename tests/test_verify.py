@@ -11,11 +11,8 @@ from reference import fly_reference
 
 from fly_serve.build import build_engine
 from fly_serve.contracts import Row
-from fly_serve.params import ParamError, Params
-from fly_serve.request_stats import RequestStats
-from fly_serve.sampling import Generators, keyed_row, probs, speculative_row
-from fly_serve.tiny import tiny_model, tiny_tokenizer
-from fly_serve.verify import (
+from fly_serve.decision.sampling import Generators, keyed_row, probs, speculative_row
+from fly_serve.decision.verify import (
     decide,
     entropy,
     greedy_check,
@@ -24,6 +21,9 @@ from fly_serve.verify import (
     plausible_mask,
     window_positions,
 )
+from fly_serve.engine.params import ParamError, Params
+from fly_serve.engine.request_stats import RequestStats
+from fly_serve.loading.tiny import tiny_model, tiny_tokenizer
 
 
 @st.composite

@@ -19,8 +19,8 @@ from fly_bench.oneoff.served_vs_engine import engine_for
 from fly_bench.prompts import SWEEP_CHATS
 from fly_bench.report import write_results
 from fly_bench.timing import timed
-from fly_serve.allocator import RowInfo
-from fly_serve.prompts import chat_prompt
+from fly_serve.engine.prompts import chat_prompt
+from fly_serve.k_auto.allocator import RowInfo
 
 METHODS = {"ar": {"mode": "ar"}, "k auto": {}, "k 1": {"k": 1}, "k 2": {"k": 2}, "k 3": {"k": 3}, "k 4": {"k": 4}}
 

@@ -5,7 +5,7 @@
 
 Phase "bytes" (no Ray): the engine in this process with its drafter and target behind a wire that
 pickles what the Serve app's calls carry (a pickle is what Ray sends for these objects; tensors as
-buffers): the rows as the ingress sends them (each row's new tokens only, fly_serve.row_history's
+buffers): the rows as the ingress sends them (each row's new tokens only, deployments.row_history's
 RowSender / RowHistory, as deployments/remote_parts.py does), the drafts back, the rows and drafts
 to the target, the verdict back. Per round, greedy and sampled rows (a sampled row's drafts carry
 the drafter's distribution q [k, vocab] each: the "logits" that cross).
@@ -31,8 +31,8 @@ from pathlib import Path
 
 import requests
 
+from deployments.row_history import RowHistory, RowSender
 from fly_bench.prompts import COMPLETIONS as PROMPTS
-from fly_serve.row_history import RowHistory, RowSender
 
 ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 600.0

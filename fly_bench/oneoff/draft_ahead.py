@@ -60,7 +60,7 @@ def row(tokens: int, wall_s: float, fly: dict) -> dict:
 # ---- in process
 def in_process(args) -> dict:
     from fly_serve.build import build_engine
-    from fly_serve.prompts import chat_prompt
+    from fly_serve.engine.prompts import chat_prompt
 
     engine = build_engine(args.target, args.drafter, calibrate=False)
     out, texts = {}, {}
@@ -136,7 +136,7 @@ def summary(result: dict) -> str:
 
 
 def main() -> None:
-    from fly_serve.weights import DEFAULT_DRAFTER, DEFAULT_TARGET
+    from fly_serve.loading.weights import DEFAULT_DRAFTER, DEFAULT_TARGET
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default=DEFAULT_TARGET)

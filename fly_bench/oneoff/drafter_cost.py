@@ -22,11 +22,11 @@ from fly_bench.oneoff.forward_cost import forward_ms
 from fly_bench.prompts import TASKS
 from fly_bench.timing import timed_one
 from fly_serve.build import build_engine
-from fly_serve.head_cut import CutHead
-from fly_serve.loading import load_model, load_tokenizer, set_threads
-from fly_serve.prompts import chat_prompt
-from fly_serve.runner import Runner
-from fly_serve.weights import DEFAULT_DRAFTER, DEFAULT_TARGET
+from fly_serve.engine.prompts import chat_prompt
+from fly_serve.loading.head_cut import CutHead
+from fly_serve.loading.loading import load_model, load_tokenizer, set_threads
+from fly_serve.loading.weights import DEFAULT_DRAFTER, DEFAULT_TARGET
+from fly_serve.runtime.runner import Runner
 
 KINDS = ("code", "math", "prose")  # prompts.TASKS
 

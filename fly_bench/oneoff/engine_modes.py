@@ -14,9 +14,9 @@ import torch
 from fly_bench.prompts import CODE
 from fly_bench.timing import timed_one
 from fly_serve.build import build_engine
-from fly_serve.loading import load_model, load_tokenizer
-from fly_serve.prompts import chat_prompt
-from fly_serve.weights import DEFAULT_DRAFTER, DEFAULT_TARGET
+from fly_serve.engine.prompts import chat_prompt
+from fly_serve.loading.loading import load_model, load_tokenizer
+from fly_serve.loading.weights import DEFAULT_DRAFTER, DEFAULT_TARGET
 
 
 def main():

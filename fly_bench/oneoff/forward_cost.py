@@ -14,8 +14,8 @@ import time
 import torch
 from transformers import DynamicCache
 
-from fly_serve.loading import load_model, set_threads
-from fly_serve.weights import DEFAULT_TARGET
+from fly_serve.loading.loading import load_model, set_threads
+from fly_serve.loading.weights import DEFAULT_TARGET
 
 
 def forward_ms(model, context: torch.Tensor, new_tokens: int, reps: int = 3) -> float:

@@ -1,4 +1,4 @@
-"""The prefix cache (fly_serve/kv_cache.py), on against off, on one engine pair loaded once:
+"""The prefix cache (fly_serve/runtime/kv_cache.py), on against off, on one engine pair loaded once:
 
 1. time to first token of a request whose prompt is a --prefix-tokens long document and a
    question, then of a second request with the same document and another question (goal: the
@@ -24,9 +24,9 @@ import torch
 
 from fly_bench.prompts import COMPLETIONS, QUESTIONS, TASKS
 from fly_serve.build import build_engine
-from fly_serve.loading import load_model, load_tokenizer
-from fly_serve.prompts import encode
-from fly_serve.weights import DEFAULT_DRAFTER, DEFAULT_TARGET
+from fly_serve.engine.prompts import encode
+from fly_serve.loading.loading import load_model, load_tokenizer
+from fly_serve.loading.weights import DEFAULT_DRAFTER, DEFAULT_TARGET
 
 TURN_TOKENS = 64  # room for one turn's question, at most (the questions are shorter)
 

@@ -98,7 +98,7 @@ def engine_for(config: str, tiny: bool):
 
 def engine_cell(engine, cell: str, max_tokens: int) -> dict:
     from fly_bench.timing import timed_one
-    from fly_serve.prompts import chat_prompt
+    from fly_serve.engine.prompts import chat_prompt
 
     method, prompt = cell.split("/")
     t = timed_one(engine, chat_prompt(engine.tokenizer, PROMPTS[prompt]), **METHODS[method], max_tokens=max_tokens)

@@ -18,7 +18,7 @@ import jsonschema
 
 from fly_bench.timing import timed
 from fly_serve.build import build_engine
-from fly_serve.prompts import chat_prompt
+from fly_serve.engine.prompts import chat_prompt
 
 NAME = {"type": "string", "minLength": 1, "maxLength": 30}
 ADDRESS = {

@@ -45,13 +45,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import onednn_linear
-from .config import EngineConfig
-from .contracts import Drafts, Row
-from .round_cost import BatchVerify, CostProfile, fit_per_forward
-from .weights import cache_dir
+from fly_serve.config import EngineConfig
+from fly_serve.contracts import Drafts, Row
+from fly_serve.loading.weights import cache_dir
+from fly_serve.runtime import onednn_linear
 
-log = logging.getLogger("fly_serve.cost_calibration")
+from .round_cost import BatchVerify, CostProfile, fit_per_forward
+
+log = logging.getLogger("fly_serve.k_auto.cost_calibration")
 
 # Bump when what a profile means changes: older cache entries are then ignored. 3: the served
 # parts run their torch work on one thread a process (deployments/threads.py), and profiles
@@ -132,7 +133,7 @@ def calibration_key(config: EngineConfig, k_max: int, *, target=None, drafter=No
     config's names; target / drafter: a loaded part where the config has no name, named by
     model_name), their precisions, the batch and k bounds, the versions. shape: the serving shape
     (tp_size, threads per part, where the drafter runs ...), whatever else changes the curve."""
-    from .loading import resolve_precision, resolve_runtime
+    from fly_serve.loading.loading import resolve_precision, resolve_runtime
 
     target_name = config.target if target is None else target
     return {

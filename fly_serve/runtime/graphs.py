@@ -19,6 +19,7 @@ import logging
 import torch
 
 from .kv_cache import SCRATCH
+from .kv_io import GatherIO
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +116,6 @@ class DecodeGraphs:
 
     def _step(self, s: _Static, n_keys: int) -> torch.Tensor:
         """The captured function: the runner's own layers on the static buffers."""
-        from .runner import GatherIO  # runner imports this module
 
         r = self.runner
         io = GatherIO(s.table, s.pos, r.cache.block_size, n_keys)

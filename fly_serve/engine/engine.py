@@ -27,22 +27,23 @@ from dataclasses import replace
 
 import torch
 
+from fly_serve.contracts import Drafter, Drafts, RoundResult, Row, RowGrammar, Scorer
+from fly_serve.decision.grammar import GrammarFailed, Grammars, Matcher
+from fly_serve.decision.verify import decide, plausible_mask, window_positions
+from fly_serve.drafting.draft_ahead import Ahead, Stages, bets
+from fly_serve.drafting.drafters import LookupDrafter, PromptLookup, SourceDrafter
+from fly_serve.drafting.suffix_index import SuffixIndex
+from fly_serve.drafting.token_recycling import TokenRecycling
+from fly_serve.k_auto.allocator import RowInfo
+from fly_serve.k_auto.round_cost import NONE, PLD, CostProfile
+from fly_serve.k_auto.speculation_policy import RoundTrace, SpeculationPolicy, free_key
+
 from . import prompts
-from .allocator import RowInfo
-from .contracts import Drafter, Drafts, RoundResult, Row, RowGrammar, Scorer
 from .detokenizer import IncrementalText, find_stop, held_back
-from .draft_ahead import Ahead, Stages, bets
-from .drafters import LookupDrafter, PromptLookup, SourceDrafter
-from .grammar import GrammarFailed, Grammars, Matcher
 from .params import ParamError, Params
 from .request_stats import RequestStats
-from .round_cost import NONE, PLD, CostProfile
-from .speculation_policy import RoundTrace, SpeculationPolicy, free_key
-from .suffix_index import SuffixIndex
-from .token_recycling import TokenRecycling
-from .verify import decide, plausible_mask, window_positions
 
-log = logging.getLogger("fly_serve.engine")
+log = logging.getLogger("fly_serve.engine.engine")
 
 
 def _at(per_row: list[int] | None, b: int) -> int:

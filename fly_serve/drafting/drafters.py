@@ -36,11 +36,12 @@ from dataclasses import replace
 
 import torch
 
+from fly_serve.contracts import Drafts, DraftSource, ModelRunner, Row
+from fly_serve.decision.grammar import DraftMatchers, Grammars, Matcher, apply_masks
+from fly_serve.decision.sampling import Generators, probs, speculative_row, wire_q
+from fly_serve.decision.verify import decide, greedy_check, padded
+
 from . import prompt_lookup
-from .contracts import Drafts, DraftSource, ModelRunner, Row
-from .grammar import DraftMatchers, Grammars, Matcher, apply_masks
-from .sampling import Generators, probs, speculative_row, wire_q
-from .verify import decide, greedy_check, padded
 
 
 def lookups_pay(kept: list[float | None], share: float) -> bool:

@@ -18,6 +18,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from .graphs import DecodeGraphs, capture_mode
 from .kv_cache import KVCache, cdiv
+from .kv_io import GatherIO, SliceIO
 
 DEFAULT_SEQ_TOKENS = 4096  # the default budget: n_slots sequences of this many tokens
 DEFAULT_INITIAL_TOKENS = 256  # per slot, allocated up front by default; the pool grows from there
@@ -81,39 +82,6 @@ def folded_mask(pos: torch.Tensor, n_keys: int, groups: int, plain_decode: bool)
         return None
     keys = torch.arange(n_keys, device=pos.device)
     return (keys[None, None, :] <= pos[:, :, None])[:, None].repeat(1, 1, groups, 1)
-
-
-class SliceIO:
-    """One row whose blocks are consecutive in the pool: its keys are a slice of the pool (a view,
-    no copy), as in a cache of fixed slots."""
-
-    def __init__(self, base: int, start: int, n_new: int, n_keys: int):
-        self.lo, self.hi, self.base, self.n_keys = base + start, base + start + n_new, base, n_keys
-
-    def write(self, pool: torch.Tensor, new: torch.Tensor):
-        pool[self.lo : self.hi] = new
-
-    def read(self, pool: torch.Tensor) -> torch.Tensor:
-        return pool[self.base : self.base + self.n_keys][None]
-
-
-class GatherIO:
-    """Rows anywhere in the pool: writes scatter token rows, reads gather whole blocks."""
-
-    def __init__(self, table: torch.Tensor, pos: torch.Tensor, block_size: int, n_keys: int):
-        # table [B, n_blocks] -> pool rows of the new tokens [B*T] ...
-        self.rows = (table.gather(1, pos // block_size) * block_size + pos % block_size).flatten()
-        # ... and the blocks to read, whole blocks being cheaper to copy than token rows.
-        self.blocks, self.shape, self.n_keys, self.block_size = table.flatten(), table.shape, n_keys, block_size
-
-    def write(self, pool: torch.Tensor, new: torch.Tensor):
-        pool.index_copy_(0, self.rows, new)
-
-    def read(self, pool: torch.Tensor) -> torch.Tensor:
-        B, n_blocks = self.shape
-        # Blocks as flat rows: index_select then copies each with one memcpy.
-        blocks = pool.view(-1, self.block_size * pool[0].numel()).index_select(0, self.blocks)
-        return blocks.view(B, n_blocks * self.block_size, *pool.shape[1:])[:, : self.n_keys]
 
 
 class Runner:

@@ -7,6 +7,8 @@ both. A bad value is a `ParamError` that names the field.
 
 from dataclasses import dataclass, field, fields
 
+from fly_serve.contracts import ParamError
+
 ENTROPIES = ("topk", "full")  # top-3 entropy in nats (authors' code, vLLM port); normalized full-vocab (paper)
 WINDOW_RULES = ("paper", "authors")  # paper: W positions after j; authors' code: W - 1 (both need j + W <= K)
 MAX_SEED = 2**63 - 1  # seeds are any int64: [-2**63, 2**63 - 1]
@@ -21,14 +23,6 @@ MAX_K = 64
 # Model-free draft sources (drafters.py): prompt lookup over the row's own tokens, the suffix index
 # over earlier requests of this engine, Token Recycling from the target's own earlier top-k.
 MLA_SOURCES = ("pld", "suffix", "recycle")
-
-
-class ParamError(ValueError):
-    """A request field with a bad value; `field` is the knob's name as the engine knows it."""
-
-    def __init__(self, field: str, message: str):
-        super().__init__(f"{field}: {message}")
-        self.field, self.message = field, message
 
 
 @dataclass(frozen=True)

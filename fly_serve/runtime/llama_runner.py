@@ -26,7 +26,7 @@ import torch
 
 from .kv_cache import KVCacheFull, common_prefix
 
-log = logging.getLogger("fly_serve.llama_runner")
+log = logging.getLogger("fly_serve.runtime.llama_runner")
 
 MIN_SHARED = 16  # a prefix shorter than this is fed rather than adopted (a chat template's opening)
 

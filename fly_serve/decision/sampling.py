@@ -17,7 +17,7 @@ import random
 
 import torch
 
-from .contracts import Row
+from fly_serve.contracts import Row
 
 MASK64 = 2**64 - 1
 

@@ -19,8 +19,9 @@ import warnings
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from . import onednn_linear, tp
-from .devices import is_gpu, local_device
+from fly_serve.runtime import onednn_linear, tp
+from fly_serve.runtime.devices import is_gpu, local_device
+
 from .head_cut import check_head_cut, cut_head
 from .sharded_load import load_shard
 from .tiny import poisoned, tiny_model, tiny_tokenizer
@@ -72,7 +73,7 @@ def resolve_runtime(runtime: str, name, device=None, world: int = 1, progress=pr
     already loaded model, for safetensors checkpoints and for the tiny test models. Without the
     native part (llama-cpp-python not importable) "auto" says why and runs torch; asked for by
     name, "llama.cpp" fails with that reason."""
-    from . import llama_runner
+    from fly_serve.runtime import llama_runner
 
     if runtime not in RUNTIMES:
         raise ValueError(f"runtime: must be one of {', '.join(RUNTIMES)} (got {runtime!r})")
@@ -94,7 +95,7 @@ def resolve_runtime(runtime: str, name, device=None, world: int = 1, progress=pr
 
 
 def _missing_reason() -> str:
-    from . import llama_runner
+    from fly_serve.runtime import llama_runner
 
     try:
         llama_runner.lib()
@@ -162,7 +163,7 @@ def load_model(
 
 
 def _gguf(name: str, head_cut: int | None, progress):
-    from .llama_runner import GGUFModel
+    from fly_serve.runtime.llama_runner import GGUFModel
 
     if check_head_cut(head_cut) is not None:
         raise ValueError("head_cut: cuts a torch model's lm_head; runtime llama.cpp runs the GGUF as shipped")

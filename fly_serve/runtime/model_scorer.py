@@ -3,10 +3,10 @@ row, then the check next to the logits, so that only small [B, K] tensors leave 
 
 import torch
 
-from .contracts import Drafts, ModelRunner, Row, Verdict
-from .grammar import apply_masks
-from .sampling import Generators, keyed_row, probs, speculative_row
-from .verify import entropy, greedy_check, padded, plausibility_from_logits, plausibility_from_probs
+from fly_serve.contracts import Drafts, ModelRunner, Row, Verdict
+from fly_serve.decision.grammar import apply_masks
+from fly_serve.decision.sampling import Generators, keyed_row, probs, speculative_row
+from fly_serve.decision.verify import entropy, greedy_check, padded, plausibility_from_logits, plausibility_from_probs
 
 
 class ModelScorer:

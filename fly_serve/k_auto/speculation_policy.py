@@ -57,7 +57,7 @@ from .cost_check import CostCheck, point_of
 from .round_cost import MODEL, NONE, PLD, CostProfile, RoundCostModel
 from .under_load import UnderLoad
 
-log = logging.getLogger("fly_serve.speculation_policy")
+log = logging.getLogger("fly_serve.k_auto.speculation_policy")
 
 
 FREE = "\x00free"

@@ -14,7 +14,7 @@ grammar (Row.grammar) travels the same way: with the row's whole tokens only, ke
 from collections import OrderedDict
 from dataclasses import replace
 
-from .contracts import Row, RowGrammar
+from fly_serve.contracts import Row, RowGrammar
 
 
 class RowsUnknown(LookupError):

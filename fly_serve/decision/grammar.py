@@ -29,9 +29,9 @@ import llguidance
 import llguidance.hf
 import torch
 
-from .params import ParamError
+from fly_serve.contracts import ParamError
 
-log = logging.getLogger("fly_serve.grammar")
+log = logging.getLogger("fly_serve.decision.grammar")
 
 # One line of JSON, separators as json.dumps writes them: no free whitespace, so a model (or a
 # random tiny one) cannot spend max_tokens on blanks, and every output parses as it stands.

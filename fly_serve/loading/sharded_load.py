@@ -17,7 +17,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedModel
 
-from . import tp
+from fly_serve.runtime import tp
 
 INDEX = "model.safetensors.index.json"
 

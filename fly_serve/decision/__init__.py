@@ -1,0 +1,1 @@
+"""FLy's decision: tensors in, tensors out (verification, sampling). No model code."""

@@ -1,0 +1,1 @@
+"""Drafts: the model drafter, model-free sources (prompt lookup, suffix index, recycling), draft-ahead."""

@@ -1,0 +1,1 @@
+"""The engine: its round, requests, parameters, prompts and text."""

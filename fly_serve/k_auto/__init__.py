@@ -1,0 +1,1 @@
+"""k "auto": the speculation policy, its acceptance tracker, cost model, allocator and calibration."""
