@@ -116,7 +116,7 @@ def test_counters_add_up():
     assert total["hits"] == sum(r.stats.ahead_hits for r in reqs) > 0
     assert total["misses"] == sum(r.stats.ahead_misses for r in reqs) > 0
     assert total["dropped"] == sum(r.stats.ahead_dropped for r in reqs) > 0
-    assert not eng.ahead  # finished rows leave nothing behind
+    assert not eng.pipeline.ahead  # finished rows leave nothing behind
 
 
 class FlakyAhead:
@@ -256,10 +256,11 @@ def test_a_held_bet_that_no_longer_continues_the_tokens_is_dropped():
     made for tokens it no longer ends with drafts again rather than reuse them (review finding)."""
     eng = engine(True, drafter=VARIED)  # the target as its own drafter: bets win
     req = eng.add(PROMPTS[0], dict(mode="spd", k=4, max_tokens=60))
-    while req.id not in eng.ahead and not req.finished:
+    ahead = eng.pipeline.ahead
+    while req.id not in ahead and not req.finished:
         eng.step()
-    assert req.id in eng.ahead
+    assert req.id in ahead
     rows = [eng._row(req)]
-    assert eng._held([req], rows)[0] is eng.ahead[req.id]  # held as made
+    assert eng.pipeline.held([req], rows)[0] is ahead[req.id]  # held as made
     req.tokens.append(req.tokens[-1])  # the row moved on without a settle (a partial commit)
-    assert eng._held([req], [eng._row(req)]) == [None]
+    assert eng.pipeline.held([req], [eng._row(req)]) == [None]

@@ -299,7 +299,7 @@ def test_a_schema_with_draft_ahead_and_the_prefix_cache_gives_the_plain_engines_
         if "response_format" in p:
             assert valid(req.text, p["response_format"]["json_schema"]["schema"]), req.text
     assert sum(r.stats.prefix_hit_tokens for r in both) > 0
-    # constrained rows bet too: the drafter drafts under their grammar (engine._draft_ahead)
+    # constrained rows bet too: the drafter drafts under their grammar (engine._bets)
     assert all(r.stats.ahead_hits + r.stats.ahead_misses > 0 for r in both)
     assert all(r.stats.ahead_hits > 0 for r, p in zip(both, params) if "response_format" in p and "seed" not in p)
     assert all(r.stats.grammar_cut == 0 for r in both)

@@ -16,10 +16,13 @@ Which rows bet: those the draft model drafts, whose MLA sources read only the ro
 round r's verdict), so drafts made before that learning could differ from drafts made after it.
 The model-free modes (pld, suffix, recycle) draft in microseconds: nothing to hide.
 
-  Ahead   a row's drafts for its next round and the guess they continue
-  Stages  the drafter's thread and the target's thread, each with its own torch thread budget
+  Ahead       a row's drafts for its next round and the guess they continue
+  Stages      the drafter's thread and the target's thread, each with its own torch thread budget
+  DraftAhead  the engine's round hooks with draft-ahead on; Sequential, the same hooks off (the
+              sequential round then reads alone: Engine._round calls the hooks either way)
 """
 
+import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -27,6 +30,9 @@ from dataclasses import dataclass
 
 import torch
 
+from fly_serve.contracts import RoundResult
+
+log = logging.getLogger("fly_serve.draft_ahead")
 # The MLA sources whose proposals depend on the row's tokens alone (module docstring).
 ROW_LOCAL_SOURCES = frozenset({"pld"})
 
@@ -126,3 +132,96 @@ class Stages:
 def bets(row, mode_drafter: str | None) -> bool:
     """Whether a row may draft ahead: the draft model drafts it and its MLA reads only its own tokens."""
     return mode_drafter == "model" and (not row.mla or set(row.mla_sources) <= ROW_LOCAL_SOURCES)
+
+
+class Sequential:
+    """The round's hooks without draft-ahead: nothing held, nothing made while verifying."""
+
+    stages = None
+
+    def held(self, batch, rows) -> list[Ahead | None]:
+        return [None] * len(batch)
+
+    def draft(self, propose, rows):
+        return propose(rows)
+
+    def verify(self, verify, bet, fallback: bool):
+        """(verdict, [(row index, Ahead)], a RoundResult of the overlap's times)."""
+        return verify(), [], RoundResult()
+
+    def settle(self, batch, made, kept, y, result: RoundResult, observe_guess) -> None:
+        pass
+
+    def forget(self, keys) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class DraftAhead(Sequential):
+    """The round's hooks with draft-ahead (module docstring): each row's drafts for its next
+    round (`ahead`, by request id), made on the drafter's thread while the target verifies."""
+
+    def __init__(self, stages: Stages):
+        self.stages = stages
+        self.ahead: dict[str, Ahead] = {}
+
+    def held(self, batch, rows) -> list[Ahead | None]:
+        """Per row, the drafts made for this round while the last one was verified (the bet won),
+        or None. A k "auto" row keeps the k its drafts were made for (k auto plans around it)."""
+        held = []
+        for req, row in zip(batch, rows):
+            a = self.ahead.get(req.id)
+            if a is not None and not a.won(req.tokens):  # a round failed after its commit began
+                log.warning("draft-ahead for %s no longer continues its tokens: drafting again", req.id)
+                a = None
+            if a is not None and not req.params.auto_k and a.k != row.k:
+                log.warning("draft-ahead for %s made for k=%d, the round has k=%d: drafting again", req.id, a.k, row.k)
+                a = None
+            if a is not None:
+                row.k = a.k
+            held.append(a)
+        return held
+
+    def draft(self, propose, rows):
+        """The model drafter's call, on the drafter's thread (its torch thread budget)."""
+        return self.stages.draft(propose, rows)
+
+    def verify(self, verify, bet, fallback: bool):
+        """The target's verdict while bet() drafts the next round; a drafter that just failed is
+        not asked to bet."""
+        if fallback:
+            return super().verify(verify, bet, fallback)
+        both = self.stages.together(verify, bet)
+        result = RoundResult(verify_s=both.verify_s, ahead_s=both.ahead_s)
+        result.verify_wait_s, result.draft_wait_s = both.verify_wait_s, both.draft_wait_s
+        return both.verdict, both.ahead or [], result
+
+    def settle(self, batch, made, kept, y, result: RoundResult, observe_guess) -> None:
+        """After the commit: keep the ahead drafts whose guess the verdict confirmed, drop the
+        rest (counted), and tell k "auto" whether the drafter's own next token was the bonus."""
+        for req in batch:
+            self.ahead.pop(req.id, None)  # held drafts were used this round
+        for b, ahead in made:
+            req = batch[b]
+            n = len(ahead.guess) - 1
+            if kept[b] == n:  # every draft kept: the guess was one more draft, kept or not
+                observe_guess(req.id, y[b][n] == ahead.guess[-1])
+            result.ahead_drafted += len(ahead.drafts)
+            if not req.finished and ahead.won(req.tokens):
+                self.ahead[req.id] = ahead
+                result.ahead_hits += 1
+                req.stats.ahead_hits += 1
+            else:
+                result.ahead_misses += 1
+                result.ahead_dropped += len(ahead.drafts)
+                req.stats.ahead_misses += 1
+                req.stats.ahead_dropped += len(ahead.drafts)
+
+    def forget(self, keys) -> None:
+        for key in keys:
+            self.ahead.pop(key, None)
+
+    def close(self) -> None:
+        self.stages.close()

@@ -30,7 +30,7 @@ import torch
 from fly_serve.contracts import Drafter, Drafts, RoundResult, Row, RowGrammar, Scorer
 from fly_serve.decision.grammar import GrammarFailed, Grammars, Matcher
 from fly_serve.decision.verify import decide, plausible_mask, window_positions
-from fly_serve.drafting.draft_ahead import Ahead, Stages, bets
+from fly_serve.drafting.draft_ahead import Ahead, DraftAhead, Sequential, Stages, bets
 from fly_serve.drafting.drafters import LookupDrafter, PromptLookup, SourceDrafter
 from fly_serve.drafting.suffix_index import SuffixIndex
 from fly_serve.drafting.token_recycling import TokenRecycling
@@ -147,13 +147,12 @@ class Engine:
         # k "auto": the round's cost model (measured where it runs: cost_calibration.py) and each
         # row's acceptance
         self.policy = SpeculationPolicy.from_profile(speculation_profile)
-        # Draft-ahead: the drafter's and the target's threads (their torch thread budgets; 0: the
-        # process's), each row's drafts for its next round, and k "auto" costing the overlap.
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._ids = itertools.count()
-        self.stages: Stages | None = None
-        self.ahead: dict[str, Ahead] = {}
+        # The round's draft-ahead hooks (drafting/draft_ahead.py): Sequential, or DraftAhead with
+        # the drafter's and the target's threads and each row's drafts for its next round
+        self.pipeline: Sequential = Sequential()
         self.set_draft_ahead(draft_ahead, draft_threads, verify_threads)
 
     def set_draft_ahead(self, on: bool, draft_threads: int = 0, verify_threads: int = 0) -> None:
@@ -161,10 +160,9 @@ class Engine:
         request runs (EngineConfig.draft_ahead at start; a benchmark switches it between runs)."""
         if self.running:
             raise RuntimeError("draft-ahead is switched only while no request runs")
-        if self.stages is not None:
-            self.stages.close()
+        self.pipeline.close()
         on = on and self.drafters["model"] is not None
-        self.stages = Stages(draft_threads, verify_threads) if on else None
+        self.pipeline = DraftAhead(Stages(draft_threads, verify_threads)) if on else Sequential()
         if on:  # CUDA graph capture is process-wide: a capture on one stage's thread would break
             # (or be broken by) the other stage's kernels, so in-process parts replay none
             for part in (self.scorer, self.drafters["model"]):
@@ -177,8 +175,12 @@ class Engine:
                 runner = getattr(part, "runner", None)
                 if n > 0 and hasattr(runner, "set_threads"):
                     runner.set_threads(n)
-        self.ahead.clear()
         self.policy.set_overlap(on)
+
+    @property
+    def stages(self) -> Stages | None:
+        """Draft-ahead's two threads (None: sequential), for the calibration that times each side."""
+        return self.pipeline.stages
 
     # ---- requests in and out
     def add(
@@ -306,16 +308,19 @@ class Engine:
 
     def _round(self, batch: list[Request]) -> RoundResult:
         """Draft, verify, decide and commit for these requests; nothing is committed unless all
-        of it succeeds. With draft-ahead (draft_ahead.py) rows whose bet won come with the drafts
-        made during the last round (_held), the drafter drafts the next round while the target
-        verifies (_verify), and the bets are settled after the commit (_settle)."""
+        of it succeeds. The pipeline's hooks (drafting/draft_ahead.py) do nothing in a sequential
+        engine; with draft-ahead, rows whose bet won come with the drafts made during the last
+        round (held), the drafter bets on the next round while the target verifies (verify), and
+        the bets are settled after the commit (settle)."""
         rows = [self._row(r) for r in batch]
-        held = self._held(batch, rows)
+        held = self.pipeline.held(batch, rows)
         free = self._choose_ks(batch, rows, held)
         clock = [time.perf_counter()]  # the round's phase boundaries: draft, verify, decide
         drafts, fallback = self._draft(batch, rows, held, free)
         clock.append(time.perf_counter())
-        verdict, made, result = self._verify(batch, rows, drafts, fallback)
+        verdict, made, result = self.pipeline.verify(
+            lambda: self.scorer.verify(rows, drafts), lambda: self._bets(batch, rows, drafts), fallback
+        )
         clock.append(time.perf_counter())
         accept_len, loosely = self._decide(batch, drafts, verdict)
         clock.append(time.perf_counter())
@@ -324,7 +329,7 @@ class Engine:
         committed = [self._commit(req, drafts.tokens[b][: kept[b]] + [y[b][kept[b]]]) for b, req in enumerate(batch)]
         self._account(batch, drafts, verdict, kept, loosely, committed, clock, fallback, result)
         self.policy.record(self._trace(batch, rows, held, free, drafts, kept, result))
-        self._settle(batch, made, kept, y, result)
+        self.pipeline.settle(batch, made, kept, y, result, self.policy.observe_guess)
         return result
 
     @staticmethod
@@ -370,38 +375,8 @@ class Engine:
             prefilled=any(req.stats.rounds == 1 for req in batch),
         )
 
-    # ---- draft-ahead (draft_ahead.py)
-    def _held(self, batch: list[Request], rows: list[Row]) -> list[Ahead | None]:
-        """Per row, the drafts made for this round while the last one was verified (the bet won),
-        or None. A k "auto" row keeps the k its drafts were made for (k auto plans around it)."""
-        held = []
-        for req, row in zip(batch, rows):
-            a = self.ahead.get(req.id)
-            if a is not None and not a.won(req.tokens):  # a round failed after its commit began
-                log.warning("draft-ahead for %s no longer continues its tokens: drafting again", req.id)
-                a = None
-            if a is not None and not req.params.auto_k and a.k != row.k:
-                log.warning("draft-ahead for %s made for k=%d, the round has k=%d: drafting again", req.id, a.k, row.k)
-                a = None
-            if a is not None:
-                row.k = a.k
-            held.append(a)
-        return held
-
-    def _verify(self, batch: list[Request], rows: list[Row], drafts: Drafts, fallback: bool):
-        """The target's verdict; with draft-ahead, the next round's drafts are made meanwhile.
-        Returns (verdict, [(row index, Ahead)], a RoundResult holding the overlap's times)."""
-        result = RoundResult()
-        if self.stages is None or fallback:  # a drafter that just failed is not asked to bet
-            return self.scorer.verify(rows, drafts), [], result
-        both = self.stages.together(
-            lambda: self.scorer.verify(rows, drafts), lambda: self._draft_ahead(batch, rows, drafts)
-        )
-        result.verify_s, result.ahead_s = both.verify_s, both.ahead_s
-        result.verify_wait_s, result.draft_wait_s = both.verify_wait_s, both.draft_wait_s
-        return both.verdict, both.ahead or [], result
-
-    def _draft_ahead(self, batch: list[Request], rows: list[Row], drafts: Drafts) -> list[tuple[int, Ahead]] | None:
+    # ---- draft-ahead (drafting/draft_ahead.py): the bets
+    def _bets(self, batch: list[Request], rows: list[Row], drafts: Drafts) -> list[tuple[int, Ahead]] | None:
         """The drafter's side of the overlap: for every row that bets, its drafts for round r+1
         after this round's drafts and the drafter's own next token (Row.peek). On the drafter's
         thread; never raises (a failed bet fails no round: its rows draft as usual next round)."""
@@ -439,27 +414,6 @@ class Engine:
         p = req.params
         room = min(p.max_tokens - len(req.generated), self.max_model_len - len(req.tokens)) - n_new - 1
         return max(0, min(k_now if p.auto_k else p.k_cap, room))
-
-    def _settle(self, batch: list[Request], made: list[tuple[int, Ahead]], a_list, y, result: RoundResult) -> None:
-        """After the commit: keep the ahead drafts whose guess the verdict confirmed, drop the
-        rest (counted), and tell k "auto" whether the drafter's own next token was the bonus."""
-        for req in batch:
-            self.ahead.pop(req.id, None)  # held drafts were used this round
-        for b, ahead in made:
-            req = batch[b]
-            n = len(ahead.guess) - 1
-            if a_list[b] == n:  # every draft kept: the guess was one more draft, kept or not
-                self.policy.observe_guess(req.id, y[b][n] == ahead.guess[-1])
-            result.ahead_drafted += len(ahead.drafts)
-            if not req.finished and ahead.won(req.tokens):
-                self.ahead[req.id] = ahead
-                result.ahead_hits += 1
-                req.stats.ahead_hits += 1
-            else:
-                result.ahead_misses += 1
-                result.ahead_dropped += len(ahead.drafts)
-                req.stats.ahead_misses += 1
-                req.stats.ahead_dropped += len(ahead.drafts)
 
     def _choose_ks(self, batch: list[Request], rows: list[Row], held: list[Ahead | None]) -> dict[int, list[int]]:
         """k "auto" rows get this round's k from the policy, which weighs every row's expected
@@ -545,8 +499,8 @@ class Engine:
             if not idx:
                 continue
             try:
-                if kind == "model" and self.stages is not None:  # on the drafter's thread, its budget
-                    got = self.stages.draft(drafter.propose, [rows[b] for b in idx])
+                if kind == "model":  # with draft-ahead, on the drafter's thread (its budget)
+                    got = self.pipeline.draft(drafter.propose, [rows[b] for b in idx])
                 else:
                     got = drafter.propose([rows[b] for b in idx])
             except Exception:
@@ -663,8 +617,7 @@ class Engine:
             return
         done = [r.id for r in finished]
         self.running = [r for r in self.running if not r.finished]
-        for key in done:
-            self.ahead.pop(key, None)
+        self.pipeline.forget(done)
         for req in finished:
             if req.finish_reason != "error":  # an aborted output is still the target's text
                 self.suffix_index.add(req.tokens)
