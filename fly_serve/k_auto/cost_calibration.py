@@ -54,16 +54,8 @@ from .round_cost import BatchVerify, CostProfile, fit_per_forward
 
 log = logging.getLogger("fly_serve.k_auto.cost_calibration")
 
-# Bump when what a profile means changes: older cache entries are then ignored. 3: the served
-# parts run their torch work on one thread a process (deployments/threads.py), and profiles
-# measured before ran the drafter in the ingress ~1.5x slower than it now runs. 4: the drafter's
-# short and long calls alternate, a long call drafts 8, and the curves are the lower envelope of
-# their points (profiles before were noisier: a served drafter priced 2x). 5: 3 passes over all
-# points instead of 3 calls of each in a row (a drift over the minute read as a shape's cost).
-# 6: an fp32 model's linear layers may run on oneDNN, packed (onednn_linear.py; about 2x faster on
-# an AMD CPU); machine() also keys the kernels chosen at load (or forced by FLY_SERVE_LINEAR).
-# 7: short forwards on a CPU fold their query heads (runner.fold_queries): a batch's one-token
-# forward costs ~1.6x less than profiles before priced it, its wider ones 3-18% less.
+# Bump when what a profile means changes: older cache entries are then ignored. The versions'
+# history, with the figures that made each one, is in docs/journal.md ("cost profile format").
 FORMAT = 7
 DRAFT_K = 8  # drafts per row of the drafter's long call (the short one drafts 1)
 CONTEXT_TOKENS = 16  # context of each timing row: a verify feeds its last token and drafts only

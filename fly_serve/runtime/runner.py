@@ -56,11 +56,8 @@ def attention_mask(starts: torch.Tensor, T: int, n_keys: int, pos: torch.Tensor)
 
 
 # Folded attention on a CPU (fold_queries) for forwards of up to this many tokens a row: decode
-# steps, verifications and drafting. Measured on the 2-core CPU in bf16, whole target forwards,
-# two runs (docs/journal.md, "Folded attention"): 8 rows of 250-350 keys, 1 token a row 145-156
-# ms folded against 247-249 ms with SDPA's grouped heads, 2-5 tokens a row 3-10% less; 8 rows of
-# 900-1000 keys 1.1-1.2x faster at 2-5 tokens and 2.4-2.6x at 1; one row about even (0.99-1.24x).
-# Attention alone is even at 64 tokens a row, so a longer prefill keeps SDPA's causal kernels.
+# steps, verifications and drafting, where it measured faster than SDPA's grouped heads; a longer
+# prefill keeps SDPA's causal kernels, even with it there (docs/journal.md, "Folded attention").
 FOLD_TOKENS = 16
 
 
