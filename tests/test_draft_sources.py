@@ -12,7 +12,7 @@ from fly_serve.contracts import Drafts, Row
 from fly_serve.drafting.drafters import ModelDrafter, SourceDrafter
 from fly_serve.drafting.suffix_index import SuffixIndex, _bucket, _buckets, _window_hashes
 from fly_serve.drafting.token_recycling import TokenRecycling
-from fly_serve.k_auto.allocator import RowInfo, allocate
+from fly_serve.k_auto.allocator import RowInfo, plan
 from fly_serve.k_auto.round_cost import PLD, RECYCLE, SUFFIX, RoundCostModel
 from fly_serve.loading.tiny import tiny_model
 from fly_serve.runtime.model_scorer import ModelScorer
@@ -300,7 +300,7 @@ def test_free_sources_cost_like_prompt_lookup_in_the_policy():
     for kind in (SUFFIX, RECYCLE):
         rows = [RowInfo("a", 8, acceptance=0.7), RowInfo("b", 8, drafter=kind, acceptance=0.5)]
         pld = [RowInfo("a", 8, acceptance=0.7), RowInfo("b", 8, drafter=PLD, acceptance=0.5)]
-        assert allocate(rows, cost) == allocate(pld, cost)
+        assert plan(rows, cost).ks == plan(pld, cost).ks
     with pytest.raises(ValueError, match="^drafter:"):
         RowInfo("a", 8, drafter="lookup")
 

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from fly_serve.k_auto.acceptance import AcceptanceTracker, expected_emitted
-from fly_serve.k_auto.allocator import RowInfo, allocate, min_confidence_for, plan
+from fly_serve.k_auto.allocator import RowInfo, min_confidence_for, plan
 from fly_serve.k_auto.cost_calibration import batch_shapes, verify_points
 from fly_serve.k_auto.cost_check import CostCheck, point_of
 from fly_serve.k_auto.round_cost import MODEL, NONE, PLD, BatchVerify, CostProfile, RoundCostModel
@@ -180,19 +180,19 @@ def test_free_rounds_draft_every_row_to_its_cap():
         RowInfo("d", 5, drafter=NONE, acceptance=0.9),
         RowInfo("e", 4, acceptance=0.6, tokens_per_forward=2.0),
     ]
-    assert allocate(rows, cost) == [15, 7, 32, 0, 4]
+    assert plan(rows, cost).ks == [15, 7, 32, 0, 4]
 
 
 def test_compute_bound_and_low_acceptance_gives_plain_decoding():
     cost = cost_model(verify_at_1=0.001, per_token=0.01, per_forward=0.002, per_row_forward=0.0005)
     rows = [RowInfo(str(b), 15, acceptance=0.2) for b in range(8)]
-    assert allocate(rows, cost) == [0] * 8
+    assert plan(rows, cost).ks == [0] * 8
 
 
 def test_higher_acceptance_drafts_more():
     cost = cost_model(verify_at_1=0.02, per_token=0.0004, per_forward=0.004, per_row_forward=0.0005)
     rows = [RowInfo(str(a), 15, acceptance=a) for a in (0.3, 0.5, 0.7, 0.85, 0.95)]
-    ks = allocate(rows, cost)
+    ks = plan(rows, cost).ks
     assert ks == sorted(ks) and ks[0] < ks[-1]
 
 
@@ -285,11 +285,11 @@ def test_a_jump_from_one_to_two_tokens_does_not_hold_k_at_zero():
     for a in (0.75, 0.86):
         rows = [RowInfo("r", 15, acceptance=a)]
         assert rate([1], rows, cost) < rate([0], rows, cost)
-        ks = allocate(rows, cost)
+        ks = plan(rows, cost).ks
         assert ks[0] > 1
         assert rate(ks, rows, cost) == pytest.approx(brute_force(rows, cost))
     rows = [RowInfo(str(b), 15, acceptance=0.8) for b in range(3)]
-    assert min(allocate(rows, cost)) > 0
+    assert min(plan(rows, cost).ks) > 0
 
 
 def test_caps_are_respected():
@@ -308,12 +308,12 @@ def test_caps_are_respected():
             for b in range(B)
         ]
         cost = cost_model(rng.uniform(0.001, 0.05), rng.uniform(0, 0.001), rng.uniform(0, 0.01), rng.uniform(0, 0.001))
-        ks = allocate(rows, cost)
+        ks = plan(rows, cost).ks
         for k, r in zip(ks, rows):
             assert 0 <= k <= (0 if r.drafter == NONE else r.k_max)
             if r.fixed and r.drafter != NONE:
                 assert k == r.k_max
-    assert allocate([], cost) == []
+    assert plan([], cost).ks == []
 
 
 def test_draft_seconds_charge_a_forward_only_for_raising_the_longest_row():
@@ -335,7 +335,7 @@ def test_rows_together_pay_for_a_forward_no_row_pays_for_alone():
     start = rate([0, 0, 0], rows, cost)
     for b in range(3):  # every single first step lowers the rate: a plain greedy would stop here
         assert rate([int(i == b) for i in range(3)], rows, cost) < start
-    ks = allocate(rows, cost)
+    ks = plan(rows, cost).ks
     assert all(k > 0 for k in ks)
     assert rate(ks, rows, cost) == pytest.approx(brute_force(rows, cost))
 
@@ -343,18 +343,18 @@ def test_rows_together_pay_for_a_forward_no_row_pays_for_alone():
 def test_a_row_below_the_longest_drafts_at_its_share():
     cost = cost_model(verify_at_1=0.01, per_token=0.0001, per_forward=0.005, per_row_forward=0.0002)
     weak = RowInfo("weak", 8, acceptance=0.5)
-    assert allocate([weak], cost) == [0]  # alone it would pay whole forwards
-    ks = allocate([RowInfo("strong", 8, acceptance=0.97), weak], cost)
+    assert plan([weak], cost).ks == [0]  # alone it would pay whole forwards
+    ks = plan([RowInfo("strong", 8, acceptance=0.97), weak], cost).ks
     assert ks[0] > 0 and 0 < ks[1] <= ks[0]
 
 
 def test_fixed_rows_keep_their_k_and_the_others_adapt():
     cost = cost_model(verify_at_1=0.02, per_token=0.0004, per_forward=0.004, per_row_forward=0.0005)
     rows = [RowInfo("fixed", 15, acceptance=0.2, fixed=True), RowInfo("auto", 15, acceptance=0.8)]
-    ks = allocate(rows, cost)
+    ks = plan(rows, cost).ks
     assert ks[0] == 15
     # The fixed row already runs 15 forwards, so the auto row's drafts cost only its share.
-    assert ks[1] >= allocate([RowInfo("auto", 15, acceptance=0.8)], cost)[0]
+    assert ks[1] >= plan([RowInfo("auto", 15, acceptance=0.8)], cost).ks[0]
 
 
 # ---- the forward by batch shape (a calibrated profile's table)
@@ -370,7 +370,7 @@ def shaped_profile(seconds_of, per_forward, per_row_forward, k_max=15, max_batch
 
 def planned_k(profile: CostProfile, batch: int, acceptance: float) -> int:
     """The k the allocator gives every one of `batch` alike rows (k auto up to 15)."""
-    ks = allocate([RowInfo(str(b), 15, acceptance=acceptance) for b in range(batch)], RoundCostModel(profile))
+    ks = plan([RowInfo(str(b), 15, acceptance=acceptance) for b in range(batch)], RoundCostModel(profile)).ks
     assert len(set(ks)) == 1  # alike rows, one k
     return ks[0]
 

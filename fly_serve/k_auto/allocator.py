@@ -204,11 +204,6 @@ def _steps(B: int) -> np.ndarray:
     return steps
 
 
-def allocate(rows: list[RowInfo], cost: RoundCostModel) -> list[int]:
-    """Each row's k for this round; see plan."""
-    return plan(rows, cost).ks
-
-
 def min_confidence_for(rate: float, marginal_s: float) -> float:
     """The drafter's confidence below which drafting a row further does not pay.
 
