@@ -15,8 +15,16 @@ ROOT = Path(__file__).resolve().parent.parent
 DEPLOYMENTS = ROOT / "deployments"
 CLUSTER = ROOT / "cluster.yaml"
 GPU_WORKER = {"num_cpus": 2, "num_gpus": 1, "resources": {"fly_target_gpu": 1}}
-PROFILES = ["cpu-default.yaml", "cpu-target-replica.yaml", "cpu-tp2.yaml", "llama-70b.yaml", "llama-405b.yaml"]
+PROFILES = [
+    "cpu-default.yaml",
+    "cpu-target-replica.yaml",
+    "cpu-tp2.yaml",
+    "llama-70b.yaml",
+    "llama-405b.yaml",
+    "cpu-multinode.yaml",
+]
 TP_PROFILES = PROFILES[2:]  # tp_size > 1: their bundles are in the YAML
+LOCAL_CLUSTER = ROOT / "cluster-local.yaml"  # the node types of tests/test_multinode.py's cluster
 
 
 def load(name):
@@ -123,8 +131,20 @@ def test_yaml_bundles_equal_what_the_builder_computes(name):
 
 @pytest.mark.parametrize("name", PROFILES)
 def test_profiles_render_without_problems(name):
-    cluster = CLUSTER if name.startswith("llama") else None
+    cluster = CLUSTER if name.startswith("llama") or name == "cpu-multinode.yaml" else None
     assert problems(render_placement(DEPLOYMENTS / name, cluster)) == []
+
+
+@pytest.mark.parametrize(
+    "cluster, target", [(LOCAL_CLUSTER, ["target_2gpu"]), (CLUSTER, ["target_4gpu", "target_8gpu"])]
+)
+def test_cpu_multinode_puts_each_part_on_a_node_type_of_its_own(cluster, target):
+    """By node resources alone: the ingress on the head, the TP group on target nodes, the
+    drafters on drafter nodes, in the local test cluster and in cluster.yaml alike."""
+    rendered = render_placement(DEPLOYMENTS / "cpu-multinode.yaml", cluster)
+    types = {name: d["node_types"] for name, d in rendered["applications"]["fly"]["deployments"].items()}
+    assert types == {"FlyIngress": ["head"], "FlyTarget": target, "FlyDrafter": ["drafter_1gpu"]}
+    assert problems(rendered) == []
 
 
 def test_render_llama_70b():
