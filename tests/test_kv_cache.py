@@ -186,3 +186,37 @@ def test_catch_up_prefills_lagging_rows_together_and_the_logits_match():
     for key, s in zip(keys, seqs):
         assert r.cache.tokens_held(key) == len(s) - 1  # the last token is the round's own
     check(r, keys, [s + seq(2, 7) for s in seqs])  # every row's next logits equal the full forward's
+
+
+def test_an_update_that_fails_midway_changes_nothing(monkeypatch):
+    """The memory an update needs (a larger pool, a wider block table) is taken before its first
+    change: a pool that fails to grow after one layer's tensor grew (out of memory) leaves every
+    sequence, block count and table entry as it was, and the same update then succeeds."""
+    r = Runner(MODEL, n_slots=4, capacity=4, block_size=BS, prefix_cache=True)
+    a, b = seq(30, 21), seq(12, 22)
+    check(r, ["a", "b"], [a, b])
+    c = r.cache
+
+    def state():
+        rows = {k: (list(c.tokens[s]), list(c.blocks[s]), list(c.hashes[s])) for k, s in c.seq_of.items()}
+        return rows, sorted(c.free), list(c.ref), c.allocated, dict(c.registry), c.table.clone()
+
+    before = state()
+    zeros, calls = torch.zeros, []
+
+    def fails_on_the_second_layer(*args, **kw):
+        calls.append(args)
+        if len(calls) == 2:
+            raise MemoryError("no memory for the pool's next layer")
+        return zeros(*args, **kw)
+
+    monkeypatch.setattr(torch, "zeros", fails_on_the_second_layer)
+    longer = a + seq(60, 23)  # more blocks than the pool has: it must grow
+    with pytest.raises(MemoryError):
+        c.plan(["a", "new"], [longer, seq(9, 24)])
+    monkeypatch.setattr(torch, "zeros", zeros)
+    after = state()
+    assert after[:5] == before[:5] and torch.equal(after[5], before[5])
+    check(r, ["a", "new"], [longer, seq(9, 24)])  # the same rows now: every logit as the model's own
+    check(r, ["b"], [b + [7]])
+    assert r.cache.tokens_held("a") == len(longer) and r.cache.tokens_held("b") == len(b) + 1

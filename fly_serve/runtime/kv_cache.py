@@ -26,6 +26,12 @@ first when a new block needs their room (free_blocks() counts them as free); blo
 drops (rejected drafts, rarely asked for again) are freed. Off (the default), nothing is
 registered or adopted: every refcount is 1.
 
+The parts: BlockPool counts blocks (free, held by how many sequences, registered under a prefix
+hash, cached and evictable), a SeqRecord is one sequence's tokens, blocks and hashes, and KVCache
+holds the tensors and the block tables and applies an update. An update is worked out whole
+before anything changes (_Edit), and whatever can fail (a block the budget lacks, memory for a
+larger pool or table) fails before the first change: the rest only moves counts and indices.
+
 Block 0 is scratch: table entries past a sequence's blocks point at it, so the padding of a
 right-padded batch writes there instead of into another sequence's blocks, and reads past a row's
 end (hidden by the attention mask) see finite garbage. Positions past a row's valid length inside
@@ -125,6 +131,84 @@ class _Edit:
 FRESH = -1  # in an _Edit's blocks: a block still to take
 
 
+@dataclass
+class SeqRecord:
+    """One sequence's share of the cache: the tokens its blocks hold, its blocks (position p in
+    blocks[p // block_size]) and the chained hashes of its leading full blocks."""
+
+    tokens: list[int] = field(default_factory=list)
+    blocks: list[int] = field(default_factory=list)
+    hashes: list[bytes] = field(default_factory=list)
+
+
+class BlockPool:
+    """Which blocks are where (vLLM v1's block pool): free (a heap, lowest first, so that a
+    sequence gets consecutive blocks), held by `ref[b]` sequences, registered under a prefix hash
+    (registry and hash_of), or cached and held by none (evictable, least recently released
+    first). Counts only: the keys and values are KVCache's tensors. Block 0 (scratch) is never
+    free. take() never allocates: KVCache grows the tensors and calls add() before an update."""
+
+    def __init__(self, n_blocks: int):
+        self.n_blocks = n_blocks  # the budget
+        self.allocated = 0  # blocks that exist now (scratch not counted)
+        self.free: list[int] = []
+        self.ref = [0]  # the scratch block's
+        self.registry: dict[bytes, int] = {}
+        self.hash_of: dict[int, bytes] = {}
+        self.evictable: OrderedDict[int, None] = OrderedDict()
+
+    def free_blocks(self) -> int:
+        """Blocks a new block can come from: free, not yet allocated, or cached but held by none."""
+        return len(self.free) + len(self.evictable) + self.n_blocks - self.allocated
+
+    def ready(self) -> int:
+        """Blocks take() can hand out without allocating."""
+        return len(self.free) + len(self.evictable)
+
+    def add(self, new: int) -> None:
+        """Blocks allocated + 1 .. new now exist (the tensors grew): free."""
+        for b in range(self.allocated + 1, new + 1):  # above every block in the heap: no sift
+            heapq.heappush(self.free, b)
+        self.ref += [0] * (new - self.allocated)
+        self.allocated = new
+
+    def take(self) -> int:
+        """A block for a sequence: a free one, else the least recently released cached one."""
+        if self.free:
+            b = heapq.heappop(self.free)
+        else:
+            b, _ = self.evictable.popitem(last=False)
+            self.unregister(b)
+        self.ref[b] = 1
+        return b
+
+    def addref(self, b: int) -> None:
+        if self.ref[b] == 0:
+            del self.evictable[b]  # only a registered block is ever adopted
+        self.ref[b] += 1
+
+    def unref(self, b: int, keep_cached: bool = True) -> None:
+        """keep_cached: a registered block no sequence holds stays cached (evictable), else it
+        leaves the registry and is free."""
+        self.ref[b] -= 1
+        if self.ref[b] == 0:
+            if not keep_cached:
+                self.unregister(b)
+            if b in self.hash_of:
+                self.evictable[b] = None  # most recently released last
+            else:
+                heapq.heappush(self.free, b)
+
+    def register(self, b: int, h: bytes) -> None:
+        if h not in self.registry and b not in self.hash_of:  # a duplicate stays private
+            self.registry[h], self.hash_of[b] = b, h
+
+    def unregister(self, b: int) -> None:
+        h = self.hash_of.pop(b, None)
+        if h is not None:
+            del self.registry[h]
+
+
 class KVCache:
     """Paged KV cache for one model (one tensor-parallel rank).
 
@@ -170,23 +254,11 @@ class KVCache:
             )
         self.k = [torch.empty((0, kv_heads, head_dim), dtype=dtype, device=device) for _ in range(n_layers)]
         self.v = [torch.empty((0, kv_heads, head_dim), dtype=dtype, device=device) for _ in range(n_layers)]
-        self.allocated = 0  # blocks in the pool now (scratch not counted); grows up to n_blocks
-        # A heap: the lowest free block first, so that a sequence growing alone, or starting in a
-        # mostly free pool, gets consecutive blocks (then a forward reads them as a slice).
-        self.free: list[int] = []
-        # Per block: the sequences holding it; and the prefix registry both ways. A registered
-        # block held by none is `evictable` (least recently released first), not free.
-        self.ref = [0]  # the scratch block's; grows with the pool (_grow), never to an unallocated budget
-        self.registry: dict[bytes, int] = {}
-        self.hash_of: dict[int, bytes] = {}
-        self.evictable: OrderedDict[int, None] = OrderedDict()
+        self.pool = BlockPool(self.n_blocks)
         self._grow(self.n_blocks if initial_tokens is None else min(self.n_blocks, cdiv(initial_tokens, block_size)))
-        # Per sequence id: the tokens it holds, its blocks and the chained hashes of its full ones;
-        # keys map to ids, least recent first.
+        # Per sequence id (a row of the block table): its record; keys map to ids, least recent first.
         self.seq_of: OrderedDict[str, int] = OrderedDict()
-        self.tokens: list[list[int]] = []
-        self.blocks: list[list[int]] = []
-        self.hashes: list[list[bytes]] = []
+        self.seqs: list[SeqRecord] = []
         self.free_seqs: list[int] = []
         # Prefix cache hits: tokens adopted per key since the caller last took them, and in all.
         self.hits: dict[str, int] = {}
@@ -208,7 +280,7 @@ class KVCache:
 
     def free_blocks(self) -> int:
         """Blocks a new block can come from: free, not yet allocated, or cached but held by none."""
-        return len(self.free) + len(self.evictable) + self.n_blocks - self.allocated
+        return self.pool.free_blocks()
 
     def free_tokens(self) -> int:
         """Tokens that whole free blocks hold; room left in sequences' last blocks is not counted."""
@@ -216,21 +288,32 @@ class KVCache:
 
     def tokens_held(self, key: str) -> int:
         s = self.seq_of.get(key)
-        return 0 if s is None else len(self.tokens[s])
+        return 0 if s is None else len(self.seqs[s].tokens)
 
     def blocks_held(self, key: str) -> int:
         s = self.seq_of.get(key)
-        return 0 if s is None else len(self.blocks[s])
+        return 0 if s is None else len(self.seqs[s].blocks)
 
     def take_hits(self, keys: list[str]) -> list[int]:
         """Prefix cache hit tokens of each key since the last call (then zero)."""
         return [self.hits.pop(key, 0) for key in keys]
 
+    # the pool's and the records' state, read by the invariant tests
+    ref = property(lambda self: self.pool.ref)
+    free = property(lambda self: self.pool.free)
+    evictable = property(lambda self: self.pool.evictable)
+    registry = property(lambda self: self.pool.registry)
+    hash_of = property(lambda self: self.pool.hash_of)
+    allocated = property(lambda self: self.pool.allocated)
+    tokens = property(lambda self: [r.tokens for r in self.seqs])
+    blocks = property(lambda self: [r.blocks for r in self.seqs])
+    hashes = property(lambda self: [r.hashes for r in self.seqs])
+
     # ---- the content rule
     def valid(self, key: str, tokens: list[int]) -> int:
         """How many of `tokens` the key's sequence already holds (0 for an unknown key)."""
         s = self.seq_of.get(key)
-        return 0 if s is None else common_prefix(self.tokens[s], tokens)
+        return 0 if s is None else common_prefix(self.seqs[s].tokens, tokens)
 
     @torch.inference_mode()
     def plan(
@@ -244,7 +327,8 @@ class KVCache:
         Each row ends up owning the blocks its tokens need (prefix cache: sharing the leading
         full blocks it adopted). All or nothing: if the blocks do not fit even after evicting idle
         sequences (least recently used first; never one of `keys` or `protect`), raises
-        KVCacheFull and changes nothing.
+        KVCacheFull and changes nothing; a failed allocation (a larger pool or block table)
+        fails before the first change too.
         """
         if len(set(keys)) != len(keys):
             raise ValueError(f"a key appears twice in one call: {keys}")
@@ -257,19 +341,26 @@ class KVCache:
         mine = {b for key, st in zip(keys, starts) for b in self._writable(key, st)}
         edits = [self._edit(key, toks, st, mine) for key, toks, st in zip(keys, tokens, starts)]
         victims = self._victims(keys, edits, set(keys) | set(protect))
+        # What could fail, before anything changes: memory for the pool (grown before a cached
+        # block is evicted, as taking one at a time would) and for the block table.
+        need = sum(e.fresh for e in edits)
+        short = min(self.n_blocks - self.pool.allocated, need - len(self.pool.free))
+        if short > 0:
+            self._grow(short)
+        self._fit_table(sum(key not in self.seq_of for key in keys), max(len(e.blocks) for e in edits))
 
         for key in victims:
             self._drop(key)
         seqs = [self._seq(key) for key in keys]
         for e in edits:  # let go first: freed blocks serve the growth below
             for b in e.released:  # rolled back (rejected drafts): rarely asked for again, so free
-                self._unref(b, keep_cached=False)
+                self.pool.unref(b, keep_cached=False)
         for e in edits:  # then adopt: a cached block is taken before any eviction could reach it
             for b in e.adopted:
-                self._addref(b)
+                self.pool.addref(b)
         for key, s, e, toks in zip(keys, seqs, edits, tokens):
             for b in e.written:
-                self._unregister(b)
+                self.pool.unregister(b)
             self._apply(s, e, toks)
             hit = len(e.adopted) * self.block_size
             if hit:
@@ -280,7 +371,7 @@ class KVCache:
         # freed: at worst one more idle sequence is evicted.)
         for e in edits:
             if e.copy_from is not None:
-                self._unref(e.copy_from, keep_cached=False)
+                self.pool.unref(e.copy_from, keep_cached=False)
         if self.max_seqs is not None and len(self.seq_of) > self.max_seqs:
             idle = [k for k in self.seq_of if k not in keys and k not in protect]
             for key in idle[: max(0, len(self.seq_of) - self.max_seqs)]:
@@ -297,8 +388,8 @@ class KVCache:
         s = self.seq_of.get(key)
         if s is None or not self.prefix_cache:
             return []
-        old = self.blocks[s][start_cap[0] // self.block_size :]
-        return [b for b in old if self.ref[b] == 1 and b in self.hash_of]
+        old = self.seqs[s].blocks[start_cap[0] // self.block_size :]
+        return [b for b in old if self.pool.ref[b] == 1 and b in self.pool.hash_of]
 
     def _edit(self, key: str, toks: list[int], start_cap: tuple[int, int], avoid: set) -> _Edit:
         """One row's plan, nothing changed yet: keep its valid blocks, adopt cached full blocks
@@ -306,14 +397,14 @@ class KVCache:
         where a block is shared)."""
         bs, (start, cap) = self.block_size, start_cap
         s = self.seq_of.get(key)
-        old = [] if s is None else self.blocks[s]
+        old = [] if s is None else self.seqs[s].blocks
         lo = start // bs  # blocks [0, lo) hold only valid positions: kept as they are
-        hashes = [] if s is None else self.hashes[s][:lo]
+        hashes = [] if s is None else self.seqs[s].hashes[:lo]
         adopted = []
         if self.prefix_cache:
             for i in range(lo, cap // bs):  # only blocks that end at or before cap
                 h = block_hash(hashes[-1] if hashes else b"", toks[i * bs : (i + 1) * bs])
-                b = self.registry.get(h)
+                b = self.pool.registry.get(h)
                 if b is None or b in avoid:
                     break
                 adopted.append(b)
@@ -325,7 +416,7 @@ class KVCache:
         e = _Edit(start, blocks, hashes)
         for i in range(len(blocks), n_need):  # the blocks written into
             b = old[i] if i < len(old) else None
-            if b is not None and self.ref[b] == 1 and b not in adopted:
+            if b is not None and self.pool.ref[b] == 1 and b not in adopted:
                 blocks.append(b)  # its own: written in place
                 e.written.append(b)
             else:
@@ -343,9 +434,10 @@ class KVCache:
         not do. Counts by projected refcounts: a released block another sequence still holds
         frees nothing, and a cached block a row adopts is no longer free."""
         refs: dict[int, int] = {}
+        ref = self.pool.ref
 
         def change(b: int, d: int) -> int:  # the change in free blocks
-            before = refs.get(b, self.ref[b])
+            before = refs.get(b, ref[b])
             refs[b] = before + d
             return (refs[b] == 0) - (before == 0)
 
@@ -361,7 +453,7 @@ class KVCache:
                 break
             if key not in busy:
                 victims.append(key)
-                free += sum(change(b, -1) for b in self.blocks[self.seq_of[key]])
+                free += sum(change(b, -1) for b in self.seqs[self.seq_of[key]].blocks)
         if free < need:
             for key, e in zip(keys, edits):
                 if e.fresh > free:
@@ -372,17 +464,16 @@ class KVCache:
     def wrote(self, seq: int, tokens: list[int]):
         """Record that `tokens` were written after the sequence's valid prefix; with the prefix
         cache, register the blocks that are now full."""
-        self.tokens[seq] = toks = self.tokens[seq] + list(tokens)
-        assert len(toks) <= len(self.blocks[seq]) * self.block_size
+        r = self.seqs[seq]
+        r.tokens = toks = r.tokens + list(tokens)
+        assert len(toks) <= len(r.blocks) * self.block_size
         if not self.prefix_cache:
             return
-        bs, hashes = self.block_size, self.hashes[seq]
-        for i in range(len(hashes), len(toks) // bs):
-            h = block_hash(hashes[-1] if hashes else b"", toks[i * bs : (i + 1) * bs])
-            hashes.append(h)
-            b = self.blocks[seq][i]
-            if h not in self.registry and b not in self.hash_of:  # a duplicate stays private
-                self.registry[h], self.hash_of[b] = b, h
+        bs = self.block_size
+        for i in range(len(r.hashes), len(toks) // bs):
+            h = block_hash(r.hashes[-1] if r.hashes else b"", toks[i * bs : (i + 1) * bs])
+            r.hashes.append(h)
+            self.pool.register(r.blocks[i], h)
 
     @torch.inference_mode()
     def release(self, keys):
@@ -400,27 +491,33 @@ class KVCache:
     def run_start(self, seq: int, n_blocks: int) -> int | None:
         """The first pool row of the sequence's first n_blocks blocks if they are consecutive in the
         pool (then its keys are a slice, no gather), else None."""
-        b = self.blocks[seq]
+        b = self.seqs[seq].blocks
         if len(b) < n_blocks or b[:n_blocks] != list(range(b[0], b[0] + n_blocks)):
             return None
         return b[0] * self.block_size
 
     # ---- bookkeeping
+    def _fit_table(self, new_seqs: int, n_blocks: int) -> None:
+        """Rows for new_seqs more sequences and n_blocks columns in the block table (allocations
+        an update makes before it changes anything)."""
+        rows = len(self.seqs) + max(0, new_seqs - len(self.free_seqs))  # new ids after the free ones
+        if rows > self.table.shape[0]:
+            pad = torch.full((max(rows, 2 * self.table.shape[0]) - self.table.shape[0], self.table.shape[1]), SCRATCH)
+            self.table = torch.cat([self.table, pad.long()])
+        if n_blocks > self.table.shape[1]:
+            self._widen(n_blocks)
+
     def _seq(self, key: str) -> int:
-        """The key's sequence id, made most recently used; a new key takes a free id."""
+        """The key's sequence id, made most recently used; a new key takes a free id (its table
+        row exists: _fit_table)."""
         if key in self.seq_of:
             self.seq_of.move_to_end(key)
             return self.seq_of[key]
         if self.free_seqs:
             s = self.free_seqs.pop()
         else:
-            s = len(self.tokens)
-            self.tokens.append([])
-            self.blocks.append([])
-            self.hashes.append([])
-            if s >= self.table.shape[0]:
-                pad = torch.full((self.table.shape[0], self.table.shape[1]), SCRATCH, dtype=torch.long)
-                self.table = torch.cat([self.table, pad])
+            s = len(self.seqs)
+            self.seqs.append(SeqRecord())
         self.seq_of[key] = s
         return s
 
@@ -429,63 +526,28 @@ class KVCache:
         blocks = list(e.blocks)
         for i, b in enumerate(blocks):
             if b == FRESH:
-                blocks[i] = self._take()
+                blocks[i] = self.pool.take()
                 if e.copy_from is not None and i == e.start // self.block_size:  # the first fresh one
                     self._copy(e.copy_from, blocks[i])
-        n_old = len(self.blocks[seq])
-        if len(blocks) > self.table.shape[1]:
-            self._widen(len(blocks))
+        r = self.seqs[seq]
+        n_old = len(r.blocks)
         self.table[seq, len(blocks) : max(n_old, len(blocks))] = SCRATCH
         if blocks:
             self.table[seq, : len(blocks)] = torch.tensor(blocks)
-        self.blocks[seq] = blocks
-        self.tokens[seq] = toks[: e.start]  # adopted blocks hold the row's own tokens (their hash)
-        self.hashes[seq] = e.hashes
+        r.blocks = blocks
+        r.tokens = toks[: e.start]  # adopted blocks hold the row's own tokens (their hash)
+        r.hashes = e.hashes
 
     def _drop(self, key: str):
         s = self.seq_of.pop(key, None)
         if s is not None:
-            for b in self.blocks[s]:
-                self._unref(b)
-            self.table[s, : len(self.blocks[s])] = SCRATCH
-            self.blocks[s], self.tokens[s], self.hashes[s] = [], [], []
+            r = self.seqs[s]
+            for b in r.blocks:
+                self.pool.unref(b)
+            self.table[s, : len(r.blocks)] = SCRATCH
+            self.seqs[s] = SeqRecord()
             self.hits.pop(key, None)
             self.free_seqs.append(s)
-
-    def _addref(self, b: int):
-        if self.ref[b] == 0:
-            del self.evictable[b]  # only a registered block is ever adopted
-        self.ref[b] += 1
-
-    def _unref(self, b: int, keep_cached: bool = True):
-        """keep_cached: a registered block no sequence holds stays cached (evictable), else it
-        leaves the registry and is free."""
-        self.ref[b] -= 1
-        if self.ref[b] == 0:
-            if not keep_cached:
-                self._unregister(b)
-            if b in self.hash_of:
-                self.evictable[b] = None  # most recently released last
-            else:
-                heapq.heappush(self.free, b)
-
-    def _unregister(self, b: int):
-        h = self.hash_of.pop(b, None)
-        if h is not None:
-            del self.registry[h]
-
-    def _take(self) -> int:
-        """A block for a sequence: a free one, else the pool grows, else the least recently
-        released cached block is evicted."""
-        if not self.free and self.allocated < self.n_blocks:
-            self._grow(1)
-        if self.free:
-            b = heapq.heappop(self.free)
-        else:
-            b, _ = self.evictable.popitem(last=False)
-            self._unregister(b)
-        self.ref[b] = 1
-        return b
 
     def _copy(self, src: int, dst: int):
         bs = self.block_size
@@ -499,15 +561,16 @@ class KVCache:
 
     def _grow(self, at_least: int):
         """Add blocks to the pool (at least `at_least`, within the budget), doubling so that
-        growing to the budget copies the pool only a few times."""
-        new = min(self.n_blocks, max(self.allocated + at_least, 2 * self.allocated))
+        growing to the budget copies the pool only a few times. The tensors grow first, one layer
+        at a time (the peak is one layer's copy); the pool counts the blocks only once all exist."""
+        allocated = self.pool.allocated
+        new = min(self.n_blocks, max(allocated + at_least, 2 * allocated))
         rows = (new + 1) * self.block_size  # + the scratch block
         for pool in (self.k, self.v):
-            for i, old in enumerate(pool):  # one layer at a time: the peak is one layer's copy
+            for i, old in enumerate(pool):
+                if len(old) >= rows:  # grown by an attempt that failed at a later layer
+                    continue
                 # Zeros, not empty: masked values are still multiplied by 0, and 0 * NaN is NaN.
                 pool[i] = torch.zeros((rows, self.kv_heads, self.head_dim), dtype=self.dtype, device=self.device)
                 pool[i][: len(old)] = old
-        for b in range(self.allocated + 1, new + 1):  # above every block in the heap: no sift
-            heapq.heappush(self.free, b)
-        self.ref += [0] * (new - self.allocated)
-        self.allocated = new
+        self.pool.add(new)
