@@ -5,10 +5,11 @@
 
 Phase "bytes" (no Ray): the engine in this process with its drafter and target behind a wire that
 pickles what the Serve app's calls carry (a pickle is what Ray sends for these objects; tensors as
-buffers): the rows as the ingress sends them (each row's new tokens only, deployments.row_history's
-RowSender / RowHistory, as deployments/remote_parts.py does), the drafts back, the rows and drafts
-to the target, the verdict back. Per round, greedy and sampled rows (a sampled row's drafts carry
-the drafter's distribution q [k, vocab] each: the "logits" that cross).
+buffers): the rows as the ingress sends them (each row's new tokens only after its first call, as
+deployments/row_history.py's RowSender compacts them; kept here: fly_bench imports no deployments),
+the drafts back, the rows and drafts to the target, the verdict back. Per round, greedy and
+sampled rows (a sampled row's drafts carry the drafter's distribution q [k, vocab] each: the
+"logits" that cross).
 
 Phase "latency": `python -m deployments.local_cluster` as a child process twice, deployments/
 cpu-multinode.yaml unchanged: three nodes (ingress, target, drafter, every call between nodes)
@@ -27,11 +28,11 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import requests
 
-from deployments.row_history import RowHistory, RowSender
 from fly_bench.prompts import COMPLETIONS as PROMPTS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -48,7 +49,21 @@ class Wire:
 
     def __init__(self, part, sent: dict, name: str):
         self.part, self.sent, self.name = part, sent, name
-        self.sender, self.history = RowSender(), RowHistory()
+        self.held: dict[str, int] = {}  # tokens of each row the other side holds
+
+    def _compact(self, rows):
+        """The rows as a call carries them: a row sent before, its new tokens only (no grammar)."""
+        out = []
+        for r in rows:
+            start = self.held.get(r.key, 0)
+            out.append(
+                replace(r, tokens=r.tokens[start:], start=start, grammar=None) if 0 < start <= len(r.tokens) else r
+            )
+        return out
+
+    def _sent(self, rows) -> None:
+        for r in rows:  # a draft-ahead row's guessed tail is not held (RowSender.sent)
+            self.held[r.key] = len(r.tokens) - r.guessed
 
     def __getattr__(self, attr):  # everything but the calls: the part's own (vocab_size, caches...)
         return getattr(self.part, attr)
@@ -57,25 +72,23 @@ class Wire:
         self.sent[key] = self.sent.get(key, 0) + n
 
     def propose(self, rows):
-        compact = self.sender.compact(rows)
-        self._count(f"to_{self.name}", wire_bytes(compact))
-        out = self.part.propose(self.history.whole(compact))
+        self._count(f"to_{self.name}", wire_bytes(self._compact(rows)))
+        out = self.part.propose(rows)
         self._count(f"from_{self.name}", wire_bytes(out))
-        self.sender.sent(rows)
+        self._sent(rows)
         return out
 
     def verify(self, rows, drafts):
-        compact = self.sender.compact(rows)
-        self._count(f"to_{self.name}", wire_bytes((compact, drafts)))
-        out = self.part.verify(self.history.whole(compact), drafts)
+        self._count(f"to_{self.name}", wire_bytes((self._compact(rows), drafts)))
+        out = self.part.verify(rows, drafts)
         self._count(f"from_{self.name}", wire_bytes(out))
         self._count("rounds", 1)
-        self.sender.sent(rows)
+        self._sent(rows)
         return out
 
     def release(self, keys):
-        self.sender.forget(keys)
-        self.history.release(keys)
+        for k in keys:
+            self.held.pop(k, None)
         self.part.release(keys)
 
 
