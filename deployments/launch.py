@@ -82,9 +82,10 @@ class StopSignals:
         (self.hurry if self.requested.is_set() else self.requested).set()
 
 
-def wait_ready(url: str, stop: threading.Event, timeout_s: float = 1800) -> bool:
-    """Until /healthz answers (the first start may convert the weights: a minute or more), or a
-    stop is asked for."""
+def wait_ready(url: str, stop: threading.Event | None = None, timeout_s: float = 1800) -> bool:
+    """Until /healthz answers 200 (the first start may convert the weights: a minute or more);
+    False past timeout_s or once a stop is asked for."""
+    stop = stop or threading.Event()
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and not stop.is_set():
         try:

@@ -21,13 +21,12 @@ import signal
 import sys
 import threading
 import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
-from .launch import deploy_config
+from .launch import deploy_config, wait_ready
 
 ROOT = Path(__file__).resolve().parent.parent
 NODE_TYPES = ROOT / "cluster-local.yaml"
@@ -240,21 +239,6 @@ class LocalCluster:
         self.nodes.clear()
 
 
-def wait_ready(url: str, timeout_s: float = READY_TIMEOUT_S, stop: threading.Event | None = None) -> bool:
-    """Until /healthz answers 200 (False past timeout_s or once `stop` is set)."""
-    stop = stop or threading.Event()
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and not stop.is_set():
-        try:
-            with urllib.request.urlopen(f"{url}/healthz", timeout=5) as r:
-                if r.status == 200:
-                    return True
-        except OSError:
-            pass
-        stop.wait(1)
-    return False
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m deployments.local_cluster", description=__doc__.split("\n")[0])
     p.add_argument("--profile", default=str(PROFILE))
@@ -281,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         url = cluster.deploy(a.profile, a.port, a.tiny, yaml.safe_load(a.args), yaml.safe_load(a.deployments))
         nodes = ", ".join(f"{n.type} {n.node_id[:8]} (raylet {n.raylet.pid})" for n in cluster.nodes)
         print(f"local-cluster: nodes {nodes}", flush=True)
-        if not wait_ready(url, stop=stop):
+        if not wait_ready(url, stop, READY_TIMEOUT_S):
             print("local-cluster: the application did not become ready", file=sys.stderr, flush=True)
             return 1
         print(f"local-cluster: ready at {url}", flush=True)

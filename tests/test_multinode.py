@@ -18,7 +18,8 @@ import pytest
 import requests
 from serve_fixture import ROOT
 
-from deployments.local_cluster import PROFILE, LocalCluster, wait_ready
+from deployments.launch import wait_ready
+from deployments.local_cluster import PROFILE, LocalCluster
 from deployments.placement import render_placement
 from fly_serve.build import build_engine
 from fly_serve.runtime.tp import free_port
@@ -70,7 +71,7 @@ def cluster():
             args=TEST_ARGS,
             deployments={"FlyDrafter": {"autoscaling_config": EAGER_POOL}},
         )
-        assert wait_ready(url, READY_S), "the app did not become ready"
+        assert wait_ready(url, timeout_s=READY_S), "the app did not become ready"
         report("cluster up, app ready", {"s": round(time.monotonic() - t0, 1), "nodes": [n.type for n in c.nodes]})
         yield c
     finally:
