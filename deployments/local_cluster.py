@@ -230,9 +230,16 @@ class LocalCluster:
         return [p for p in self.placed() if p.actor == actor]
 
     def shutdown(self) -> None:
-        """Every node's processes stopped (workers, raylets, the GCS); Serve's state goes with them."""
+        """Every node's processes stopped (workers, raylets, the GCS). Serve first, while the
+        nodes are up: it also ends this process's Serve client and its handles' routers, whose
+        metrics tasks would otherwise outlive the session and fail in the next one."""
         import ray
+        from ray import serve
 
+        try:
+            serve.shutdown()
+        except Exception as e:  # a cluster already half gone still has its nodes stopped below
+            print(f"local-cluster: serve.shutdown failed ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
         for node in self.nodes[1:]:
             self._stop_node(node, graceful=True)
         ray.shutdown()  # the head: this process started it
