@@ -145,6 +145,7 @@ def test_default_pool_starts_small_and_grows_up_to_the_budget():
 def test_budgets_give_the_expected_number_of_blocks():
     cache = KVCache(2, 2, 16, torch.float32, budget_tokens=100, block_size=16)
     assert cache.n_blocks == 6 and cache.capacity_tokens == 96 and cache.free_tokens() == 96
+    assert cache.plan([], []) == [] and cache.free_tokens() == 96  # no rows: nothing to change
     assert cache.block_bytes == 2 * 2 * 16 * 2 * 16 * 4  # keys and values x layers x tokens x heads x dim x 4 bytes
     cache = KVCache(2, 2, 16, torch.bfloat16, budget_bytes=11 * 4096 + 100, block_size=16)
     assert cache.n_blocks == 10  # one block of the budget is scratch

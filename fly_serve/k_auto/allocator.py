@@ -3,7 +3,7 @@ second of the round (the objective of SmartSpec, Liu et al. 2024). A row at k = 
 decoding inside the same target forward.
 
   RowInfo             what the allocator knows of a row (cap, drafter kind, acceptance, MLA)
-  plan / allocate     the ks of one round (the rule is in plan's docstring)
+  plan                the ks of one round (the rule is in its docstring)
   min_confidence_for  when the drafter should stop a row early
 """
 

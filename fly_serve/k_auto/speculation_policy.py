@@ -243,7 +243,7 @@ class SpeculationPolicy:
                     self._gap.pop(r.key, None)
             else:
                 idle[r.key] = idle.get(r.key, 0) + 1
-        due = [b for b, r in enumerate(rows) if idle.get(r.key, 0) > self._gap_of(r)]
+        due = [b for b, r in enumerate(rows) if idle.get(r.key, 0) > self.probe_every and idle[r.key] > self._gap_of(r)]
         due.sort(key=lambda b: -idle[rows[b].key])  # stable: batch order among equals
         self._batch_quiet += batch
         if batch and width == 0 and self._batch_quiet <= self.probe_every:

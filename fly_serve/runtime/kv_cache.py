@@ -347,7 +347,7 @@ class KVCache:
         short = min(self.n_blocks - self.pool.allocated, need - len(self.pool.free))
         if short > 0:
             self._grow(short)
-        self._fit_table(sum(key not in self.seq_of for key in keys), max(len(e.blocks) for e in edits))
+        self._fit_table(sum(key not in self.seq_of for key in keys), max((len(e.blocks) for e in edits), default=0))
 
         for key in victims:
             self._drop(key)
