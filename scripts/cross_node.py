@@ -1,12 +1,15 @@
 """What a round sends between the app's nodes, and what crossing nodes adds to it.
 
-  python -m fly_bench.oneoff.cross_node --tiny              # both phases on the tiny pair
-  python -m fly_bench.oneoff.cross_node --phase bytes       # the real default pair, bytes only
+  python scripts/cross_node.py --tiny              # both phases on the tiny pair
+  python scripts/cross_node.py --phase bytes       # the real default pair, bytes only
+
+A script, not a fly_bench module: it counts the rows as the serving side's own wire protocol
+(deployments/row_history.py) compacts them, and fly_bench imports nothing of the serving layer.
 
 Phase "bytes" (no Ray): the engine in this process with its drafter and target behind a wire that
 pickles what the Serve app's calls carry (a pickle is what Ray sends for these objects; tensors as
-buffers): the rows as the ingress sends them (each row's new tokens only after its first call, as
-deployments/row_history.py's RowSender compacts them; kept here: fly_bench imports no deployments),
+buffers): the rows as the ingress sends them (each row's new tokens only after its first call:
+deployments/row_history.py's RowSender compacts them),
 the drafts back, the rows and drafts to the target, the verdict back. Per round, greedy and
 sampled rows (a sampled row's drafts carry the drafter's distribution q [k, vocab] each: the
 "logits" that cross).
@@ -28,14 +31,14 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import requests
 
+from deployments.row_history import RowSender
 from fly_bench.prompts import COMPLETIONS as PROMPTS
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 START_TIMEOUT_S = 600.0
 
 
@@ -49,21 +52,7 @@ class Wire:
 
     def __init__(self, part, sent: dict, name: str):
         self.part, self.sent, self.name = part, sent, name
-        self.held: dict[str, int] = {}  # tokens of each row the other side holds
-
-    def _compact(self, rows):
-        """The rows as a call carries them: a row sent before, its new tokens only (no grammar)."""
-        out = []
-        for r in rows:
-            start = self.held.get(r.key, 0)
-            out.append(
-                replace(r, tokens=r.tokens[start:], start=start, grammar=None) if 0 < start <= len(r.tokens) else r
-            )
-        return out
-
-    def _sent(self, rows) -> None:
-        for r in rows:  # a draft-ahead row's guessed tail is not held (RowSender.sent)
-            self.held[r.key] = len(r.tokens) - r.guessed
+        self.rows = RowSender()  # what the other side holds of each row, as the remote parts track it
 
     def __getattr__(self, attr):  # everything but the calls: the part's own (vocab_size, caches...)
         return getattr(self.part, attr)
@@ -72,23 +61,22 @@ class Wire:
         self.sent[key] = self.sent.get(key, 0) + n
 
     def propose(self, rows):
-        self._count(f"to_{self.name}", wire_bytes(self._compact(rows)))
+        self._count(f"to_{self.name}", wire_bytes(self.rows.compact(rows)))
         out = self.part.propose(rows)
         self._count(f"from_{self.name}", wire_bytes(out))
-        self._sent(rows)
+        self.rows.sent(rows)
         return out
 
     def verify(self, rows, drafts):
-        self._count(f"to_{self.name}", wire_bytes((self._compact(rows), drafts)))
+        self._count(f"to_{self.name}", wire_bytes((self.rows.compact(rows), drafts)))
         out = self.part.verify(rows, drafts)
         self._count(f"from_{self.name}", wire_bytes(out))
         self._count("rounds", 1)
-        self._sent(rows)
+        self.rows.sent(rows)
         return out
 
     def release(self, keys):
-        for k in keys:
-            self.held.pop(k, None)
+        self.rows.forget(keys)
         self.part.release(keys)
 
 

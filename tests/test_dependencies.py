@@ -27,7 +27,7 @@ EXTRAS_OF = {
     "fly_cli": ["models"],
     "fly_bench": ["models", "bench"],
     "loadtest": ["models", "test", "bench"],  # load_sweep plots with matplotlib
-    "scripts": [],
+    "scripts": ["bench"],  # cross_node.py reads the app over HTTP (requests), as fly_bench does
     "tests": ["models", "test", "bench"],
 }
 
