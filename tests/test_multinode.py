@@ -238,6 +238,9 @@ def test_a_target_node_killed_errors_cleanly_then_a_new_target_node_serves(clust
         joined = cluster.add(TARGET)
         probe = {"prompt": PROMPTS[1], "max_tokens": 4}
         probes = probe_until(cluster.url, probe, lambda ps: bool(ps) and ps[-1].kind == "ok", RECOVERY_S, 60)
+        # the watch polls every 0.2 s: a probe may succeed before it has seen the 200
+        wait_status(cluster.url, 200, RECOVERY_S)
+        until(lambda: health.first(200, after_s=(unhealthy or t_kill) - health.t0), 5.0, poll_s=0.1)
     finally:
         health.close()
     ok = probes[-1].ended if probes and probes[-1].kind == "ok" else None
