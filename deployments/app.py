@@ -4,13 +4,13 @@ binds the deployments only; weights load when the replicas start."""
 
 from ray.serve import Application
 
-from .admission import serve_limits
-from .app_args import AppArgs
-from .drafter_replica import DrafterDeployment
-from .ingress import Ingress
-from .placement import TP_STRATEGY, tp_bundles
-from .target_replica import TargetDeployment
-from .unit_router import router_config
+from deployments.http.admission import serve_limits
+from deployments.ingress.ingress import Ingress
+from deployments.parts.drafter_replica import DrafterDeployment
+from deployments.parts.target_replica import TargetDeployment
+from deployments.profiles.app_args import AppArgs
+from deployments.profiles.placement import TP_STRATEGY, tp_bundles
+from deployments.routing.unit_router import router_config
 
 __all__ = ["AppArgs", "build"]
 

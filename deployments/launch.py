@@ -20,7 +20,7 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_CONFIG = ROOT / "deployments" / "cpu-default.yaml"
+DEFAULT_CONFIG = ROOT / "deployments" / "profiles" / "cpu-default.yaml"
 GRACE_S = 30.0  # --grace-s when the config sets no graceful_shutdown_timeout_s
 # After the replicas finish a response, the proxy may still be writing its last bytes.
 SETTLE_S = 1.0
@@ -155,9 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     # to every waking daemon (its OMP threads then wait for each other). An operator's value wins.
     os.environ.setdefault("RAY_worker_niceness", "0")
     # Serve's own wake-ups, fewer: its controller runs its loop every 0.1 s and each replica and
-    # proxy exports metrics every 0.1 s. An idle app with the default profile took 13.9% of a core
-    # (1,552 wake-ups a second) and 8.4% (1,214) with these; each wake-up on a 2-core node preempts
-    # a thread of a 2-thread forward (docs/journal.md, "One OpenMP team"). The cost: the
+    # proxy exports metrics every 0.1 s, and each wake-up on a small node preempts a thread of a
+    # forward (an idle app's share of a core: docs/journal.md, "One OpenMP team"). The cost: the
     # controller reacts (scaling, replica states) up to 0.5 s later. An operator's value wins.
     os.environ.setdefault("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "0.5")
     os.environ.setdefault("RAY_SERVE_METRICS_EXPORT_INTERVAL_MS", "1000")

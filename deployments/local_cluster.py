@@ -4,7 +4,7 @@ A head and worker raylets on 127.0.0.1, started as ray.cluster_utils.Cluster sta
 a real Ray node, with its own object store and its own workers, so what the app sends between its
 parts crosses nodes as it would between machines (over loopback). The nodes carry the custom resources of the
 node types in cluster-local.yaml (cluster.yaml's format and resource names), and a Serve profile
-(deployments/cpu-multinode.yaml) is deployed on them as `serve deploy` would, so its placement is
+(deployments/profiles/cpu-multinode.yaml) is deployed on them as `serve deploy` would, so its placement is
 the profile's own. Nodes join (`add`) and die (`kill`: the raylet SIGKILLed, its workers end
 with it) while the app runs. Where each replica and TP rank runs comes from the GCS's actor table.
 
@@ -30,7 +30,7 @@ from .launch import deploy_config, wait_ready
 
 ROOT = Path(__file__).resolve().parent.parent
 NODE_TYPES = ROOT / "cluster-local.yaml"
-PROFILE = ROOT / "deployments" / "cpu-multinode.yaml"
+PROFILE = ROOT / "deployments" / "profiles" / "cpu-multinode.yaml"
 HOST = "127.0.0.1"
 OBJECT_STORE_BYTES = 80 * 2**20  # per node: above Ray's floor (75 MiB); rows and drafts are small
 # The GCS pings every raylet; with Ray's defaults (every 3 s, dead after 5 misses) a lost node is

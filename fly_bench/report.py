@@ -5,7 +5,7 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
-from . import calibrate
+from . import choose
 from .metrics import Row
 
 COLUMNS = (
@@ -54,7 +54,7 @@ def table_line(r: Row) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
-def markdown(rows: list[Row], notes: list[str], choices: list[calibrate.Choice] = ()) -> str:
+def markdown(rows: list[Row], notes: list[str], choices: list[choose.Choice] = ()) -> str:
     head = "| " + COLUMNS + " |"
     sep = "|" + "---|" * len(COLUMNS.split(" | "))
     lines = [head, sep, *(table_line(r) for r in rows)]
@@ -63,7 +63,7 @@ def markdown(rows: list[Row], notes: list[str], choices: list[calibrate.Choice] 
     if flipped:
         parts.append("Flipped problems vs ar (problem#sample direction @first divergence):\n" + "\n".join(flipped))
     if choices:
-        parts.append(calibrate.markdown(choices).rstrip("\n"))
+        parts.append(choose.markdown(choices).rstrip("\n"))
     if notes:
         parts.append("Notes:\n" + "\n".join(f"- {n}" for n in notes))
     return "\n\n".join(parts) + "\n"
@@ -74,7 +74,7 @@ def _flips(r: Row) -> str:
 
 
 def write(
-    rows: list[Row], out_dir: Path, config: dict, notes: list[str], choices: list[calibrate.Choice] = ()
+    rows: list[Row], out_dir: Path, config: dict, notes: list[str], choices: list[choose.Choice] = ()
 ) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     summary = out_dir / "summary.json"

@@ -19,7 +19,7 @@ from pathlib import Path
 from fly_serve.engine.params import MODES
 from fly_serve.loading.loading import RUNTIMES
 
-from . import calibrate, datasets, report
+from . import choose, datasets, report
 from .methods import Method, Output, Peer, ServerPeer, parse_method, run_engine
 from .metrics import summarize
 from .scoring import score
@@ -68,7 +68,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "--choose",
         action="store_true",
         help="calibration: name the fastest engine method whose recovery (datasets pooled) keeps the point "
-        ">= 0.99 and the lower 95%% bound >= 0.97 (calibrate.py)",
+        ">= 0.99 and the lower 95%% bound >= 0.97 (choose.py)",
     )
     p.add_argument("--target", default=None, help="model name (default: the embedded target)")
     p.add_argument("--drafter", default=None, help="model name (default: the embedded drafter)")
@@ -169,7 +169,7 @@ def needs_drafter(bench: Bench, runtime: str) -> bool:
     """Whether the models on `runtime` need the drafter: an engine method there drafts with it,
     or (torch) transformers' assisted generation takes it as assistant."""
     engine = any(
-        m.kind == "engine" and runtime_of(bench, m) == runtime and MODES[m.base].drafter == "model"
+        m.kind == "engine" and runtime_of(bench, m) == runtime and MODES[m.base].source == "model"
         for m in bench.methods
     )
     return engine or (runtime == "torch" and any(m.base == "hf-assisted" for m in bench.methods))
@@ -491,7 +491,7 @@ def run(args, problems: dict[str, list[datasets.Problem]] | None = None) -> list
     choices = []
     if args.choose:
         engine = {m.label for m in methods if m.kind == "engine"}
-        choices = calibrate.choose(records, engine, n_boot=args.bootstrap, seed=args.seed)
+        choices = choose.choose(records, engine, n_boot=args.bootstrap, seed=args.seed)
     paths = report.write(rows, out_dir, config, notes, choices)
     print(report.markdown(rows, notes, choices))
     print("[bench] wrote " + ", ".join(str(p) for p in paths), file=sys.stderr)

@@ -4,7 +4,7 @@ this machine.
 1. Cost curves: fly_serve.k_auto.cost_calibration.measure_profile, the measurement an engine runs at
    start (the target's verification seconds by tokens in its forward, the drafter's seconds per
    forward by rows), with this command's k_max, largest batch size and repetitions.
-2. Acceptance. `fly` and `spd` at batch 1 with k = k_max on calibration prompts (code, prose,
+2. Acceptance. `fly` and `spd` at batch 1 with k = k_max on acceptance prompts (code, prose,
    math): per-token acceptance a = kept / (kept + rejections), as the policy's tracker counts it,
    the drafts per drafter forward (MLA) and the rest of a round's seconds (decide, commit).
 3. The table. Per batch size B and k in 0..k_max, expected tokens/s = B * expected_emitted(k, a) /
@@ -34,7 +34,7 @@ from fly_serve.k_auto.allocator import RowInfo
 from fly_serve.k_auto.cost_calibration import calibration_key, measure_profile, save_cached
 from fly_serve.k_auto.round_cost import MODEL, CostProfile, RoundCostModel
 
-# Calibration prompts: the kinds of text whose acceptance differs most (code repeats itself and
+# Acceptance prompts: the kinds of text whose acceptance differs most (code repeats itself and
 # the drafter guesses it well; prose and math less so).
 CALIBRATION_PROMPTS = (
     "Write a Python function `merge_intervals(intervals)` that merges overlapping intervals given as a list of "
@@ -56,9 +56,9 @@ class Settings:
     batch_sizes: list[int]
     k_max: int
     reps: int  # passes over the cost curves' points (each keeps its fastest; a drafter difference the median)
-    max_tokens: int  # per calibration request
+    max_tokens: int  # per acceptance request
     measure_tokens: int  # per request of the measured speedup
-    n_prompts: int  # calibration prompts
+    n_prompts: int  # acceptance prompts
 
     @property
     def k_grid(self) -> list[int]:
@@ -82,8 +82,8 @@ def settings_from(args: argparse.Namespace) -> Settings:
 
 # ---- acceptance
 @dataclass
-class Calibration:
-    """Counts over the calibration requests of one mode (batch 1, fixed k)."""
+class Acceptance:
+    """Counts over the acceptance requests of one mode (batch 1, fixed k)."""
 
     mode: str
     k: int
@@ -112,15 +112,15 @@ class Calibration:
         return self.other_s / self.rounds if self.rounds else 0.0
 
 
-def calibration_prompts(tokenizer, n: int) -> list[list[int]]:
+def acceptance_prompts(tokenizer, n: int) -> list[list[int]]:
     from fly_serve.engine.prompts import chat_prompt
 
     return [chat_prompt(tokenizer, CALIBRATION_PROMPTS[i % len(CALIBRATION_PROMPTS)]) for i in range(n)]
 
 
-def calibrate(engine, prompts: list[list[int]], mode: str, k: int, max_tokens: int, bar) -> Calibration:
+def measure_acceptance(engine, prompts: list[list[int]], mode: str, k: int, max_tokens: int, bar) -> Acceptance:
     """Each prompt alone (batch 1) to max_tokens with a fixed k; the counts summed."""
-    cal = Calibration(mode, k)
+    cal = Acceptance(mode, k)
     drafter = engine.drafters["model"]
     for prompt in prompts:
         bar.set_postfix_str(f"{mode} k={k}")
@@ -206,7 +206,7 @@ class BatchRow:
 
 
 def batch_rows(
-    profile: CostProfile, fly: Calibration, spd: Calibration, batch_sizes: list[int], k_max: int, overlap=False
+    profile: CostProfile, fly: Acceptance, spd: Acceptance, batch_sizes: list[int], k_max: int, overlap=False
 ):
     cost = RoundCostModel(profile)
     return [
@@ -273,7 +273,7 @@ def format_table(rows: list[BatchRow], k_max: int) -> str:
     return "\n".join(lines)
 
 
-def format_summary(fly: Calibration, spd: Calibration, profile: CostProfile) -> str:
+def format_summary(fly: Acceptance, spd: Acceptance, profile: CostProfile) -> str:
     lines = [
         f"acceptance per draft at k = {c.k} ({c.mode}): a = {c.acceptance:.3f} ({c.kept} kept, {c.rejections} "
         f"rejections, {c.rounds} rounds), {c.tokens_per_forward:.2f} drafts per drafter forward"
@@ -294,8 +294,8 @@ def format_summary(fly: Calibration, spd: Calibration, profile: CostProfile) -> 
 class TuneResult:
     settings: Settings
     profile: CostProfile
-    fly: Calibration
-    spd: Calibration
+    fly: Acceptance
+    spd: Acceptance
     rows: list[BatchRow] = field(default_factory=list)
     table: str = ""
     yaml: str = ""
@@ -308,10 +308,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     add_pair(p)
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8], help="batch sizes to profile")
     p.add_argument("--k-max", type=int, default=15, help="largest k profiled and tabulated")
-    p.add_argument("--max-tokens", type=int, default=64, help="tokens per calibration request")
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens per acceptance request")
     p.add_argument("--measure-tokens", type=int, default=48, help="tokens per request of the measured speedup")
     p.add_argument("--reps", type=int, default=3, help="passes over the cost curves' points (each keeps its fastest)")
-    p.add_argument("--prompts", type=int, default=3, help="calibration prompts (code, prose, math, ...)")
+    p.add_argument("--prompts", type=int, default=3, help="acceptance prompts (code, prose, math, ...)")
     p.add_argument("--quick", action="store_true", help="smoke run: batch 1 and 2, k 0/1/3, 1 pass, 8 tokens")
     p.add_argument("--out", default=None, help="write the YAML here (default: stdout, after the table)")
     p.add_argument("--no-cache", action="store_true", help="do not write the cost-profile cache entry")
@@ -354,7 +354,7 @@ def run(args: argparse.Namespace) -> TuneResult:
     # calibrate=False: measured below, with this command's repetitions
     engine = build_engine(args.target, args.drafter, config=config, calibrate=False, progress=log)
     key = calibration_key(config, s.k_max)  # the entry build_engine with this config and k_max reads
-    prompts = calibration_prompts(engine.tokenizer, max(s.n_prompts, 1))
+    prompts = acceptance_prompts(engine.tokenizer, max(s.n_prompts, 1))
     steps = 2 * len(prompts) + 2 * len(s.batch_sizes)
     with tqdm(total=steps, desc="tune-k", file=sys.stderr, dynamic_ncols=True) as bar:
         curves = measure_profile(
@@ -366,8 +366,8 @@ def run(args: argparse.Namespace) -> TuneResult:
             progress=bar.write,
             stages=engine.stages,  # --draft-ahead: each side timed while the other works
         )
-        fly = calibrate(engine, prompts, "fly", s.k_max, s.max_tokens, bar)
-        spd = calibrate(engine, prompts, "spd", s.k_max, s.max_tokens, bar)
+        fly = measure_acceptance(engine, prompts, "fly", s.k_max, s.max_tokens, bar)
+        spd = measure_acceptance(engine, prompts, "spd", s.k_max, s.max_tokens, bar)
         overhead = statistics.median([fly.overhead_s, spd.overhead_s])
         profile = dataclasses.replace(curves, overhead_s=overhead, source="fly-serve tune-k")
         rows = batch_rows(profile, fly, spd, s.batch_sizes, s.k_max, overlap=engine.stages is not None)

@@ -196,7 +196,7 @@ class RoundResult:
 
     advanced: list = field(default_factory=list)  # the engine Requests of this round (failed ones too)
     drafting_rows: int = 0  # rows that had drafts
-    # The round's timeline, seconds (deployments/prometheus.py exports each as a phase):
+    # The round's timeline, seconds (deployments/ingress/metrics.py exports each as a phase):
     draft_s: float = 0.0  # the drafter call, as the engine waits for it
     verify_s: float = 0.0  # the target call
     decide_s: float = 0.0

@@ -1,5 +1,5 @@
 """The load sweep against the multi-node app: a local cluster of several raylets on 127.0.0.1
-(`python -m deployments.local_cluster`, deployments/cpu-multinode.yaml: ingress on the head, the
+(`python -m deployments.local_cluster`, deployments/profiles/cpu-multinode.yaml: ingress on the head, the
 TP=2 target on a target node, one drafter replica per drafter node) as a child process, then
 loadtest.load_sweep at each user count in turn, while the drafter replicas (their processes under
 the cluster's raylets) are counted every half second. Writes summary.json (each level's span,
@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         "metrics_interval_s": 1,
         "look_back_period_s": 5,
         "policy": {
-            "policy_function": "deployments.replica_pool:BusyPolicy",
+            "policy_function": "deployments.routing.replica_pool:BusyPolicy",
             "policy_kwargs": {"target": a.busy_target or (0.01 if a.tiny else 0.6)},
         },
     }

@@ -235,7 +235,7 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--profile",
         default="cpu-default",
-        help="the profile of overload, schemathesis and soak: a name in deployments/ or a Serve config YAML",
+        help="the profile of overload, schemathesis and soak: a name in deployments/profiles/ or a Serve config YAML",
     )
     # cpu-tp2: the CPU profile with a drafter replica and a TP group, so that both kills have a target
     p.add_argument(

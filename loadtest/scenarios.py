@@ -306,7 +306,7 @@ def sigterm_drain(server: ServeProcess, inflight_tokens: int, exit_timeout_s: fl
 
 
 # ---- hostile input (issue 47)
-BODY_TIMEOUT_S = 20.0  # the app's body deadline where its profile sets none (deployments/app_args.py)
+BODY_TIMEOUT_S = 20.0  # the app's body deadline where its profile sets none (deployments/profiles/app_args.py)
 # Bodies nested past any JSON parser's depth: a 400, never a 500.
 NESTED_BODIES = {
     "nested_array": b"[" * 100_000 + b"]" * 100_000,

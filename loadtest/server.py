@@ -13,7 +13,7 @@ from fly_serve.runtime.tp import free_port
 from .waits import until
 
 ROOT = Path(__file__).resolve().parent.parent
-PROFILES = ROOT / "deployments"
+PROFILES = ROOT / "deployments" / "profiles"
 
 
 class ServeProcess:
@@ -92,6 +92,6 @@ class ServeProcess:
 
 
 def profile_path(profile: str) -> Path:
-    """A Serve config: a path to a YAML, or the name of one in deployments/ ("cpu-default")."""
+    """A Serve config: a path to a YAML, or the name of one in deployments/profiles/ ("cpu-default")."""
     path = Path(profile)
     return path if path.suffix in (".yaml", ".yml") else PROFILES / f"{profile}.yaml"

@@ -4,12 +4,12 @@
   python scripts/cross_node.py --phase bytes       # the real default pair, bytes only
 
 A script, not a fly_bench module: it counts the rows as the serving side's own wire protocol
-(deployments/row_history.py) compacts them, and fly_bench imports nothing of the serving layer.
+(deployments/parts/row_history.py) compacts them, and fly_bench imports nothing of the serving layer.
 
 Phase "bytes" (no Ray): the engine in this process with its drafter and target behind a wire that
 pickles what the Serve app's calls carry (a pickle is what Ray sends for these objects; tensors as
 buffers): the rows as the ingress sends them (each row's new tokens only after its first call:
-deployments/row_history.py's RowSender compacts them),
+deployments/parts/row_history.py's RowSender compacts them),
 the drafts back, the rows and drafts to the target, the verdict back. Per round, greedy and
 sampled rows (a sampled row's drafts carry the drafter's distribution q [k, vocab] each: the
 "logits" that cross).
@@ -35,7 +35,7 @@ from pathlib import Path
 
 import requests
 
-from deployments.row_history import RowSender
+from deployments.parts.row_history import RowSender
 from fly_bench.prompts import COMPLETIONS as PROMPTS
 
 ROOT = Path(__file__).resolve().parents[1]

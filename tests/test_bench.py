@@ -9,7 +9,7 @@ import random
 import numpy as np
 import pytest
 
-from fly_bench import calibrate, datasets, metrics, report, run, scoring
+from fly_bench import choose, datasets, metrics, report, run, scoring
 from fly_bench.methods import parse_method
 from fly_bench.store import ResultStore
 
@@ -348,7 +348,7 @@ def calibration_records():
 
 
 def test_calibration_chooses_the_fastest_method_that_keeps_recovery():
-    (choice,) = calibrate.choose(calibration_records(), {"ar", "lossy", "even", "exact"}, n_boot=1000)
+    (choice,) = choose.choose(calibration_records(), {"ar", "lossy", "even", "exact"}, n_boot=1000)
     got = {c.method: c for c in choice.candidates}
     assert [c.method for c in choice.candidates] == ["lossy", "even", "exact"]  # fastest first
     assert got["lossy"].speedup == pytest.approx(2.0) and got["exact"].speedup == pytest.approx(1.0)
@@ -358,15 +358,15 @@ def test_calibration_chooses_the_fastest_method_that_keeps_recovery():
     assert not got["even"].qualifies and (got["even"].pass_to_fail, got["even"].fail_to_pass) == (2, 2)
     assert (got["exact"].recovery, got["exact"].recovery_lo, got["exact"].qualifies) == (1.0, 1.0, True)
     assert choice.chosen == "exact"
-    assert "**exact**" in calibrate.markdown([choice])
+    assert "**exact**" in choose.markdown([choice])
     # a looser bound lets the faster `even` through; nothing qualifies where ar's scores are lost
-    assert calibrate.choose(calibration_records(), {"ar", "lossy", "even", "exact"}, lower=0.5)[0].chosen == "even"
+    assert choose.choose(calibration_records(), {"ar", "lossy", "even", "exact"}, lower=0.5)[0].chosen == "even"
     # samples only some methods have (a partial run) are left out of every candidate
     extra = [{**rec("lossy", f"needle/{i}", 1.0, [1], wall=0.01), "dataset": "needle"} for i in range(5)]
-    (again,) = calibrate.choose(calibration_records() + extra, {"ar", "lossy", "even", "exact"}, n_boot=1000)
+    (again,) = choose.choose(calibration_records() + extra, {"ar", "lossy", "even", "exact"}, n_boot=1000)
     assert again.candidates[0].problems == 80 and again.candidates[0].speedup == pytest.approx(2.0)
-    none = calibrate.choose([r for r in calibration_records() if r["method"] in ("ar", "lossy")], {"ar", "lossy"})
-    assert none[0].chosen is None and "none qualifies" in calibrate.markdown(none)
+    none = choose.choose([r for r in calibration_records() if r["method"] in ("ar", "lossy")], {"ar", "lossy"})
+    assert none[0].chosen is None and "none qualifies" in choose.markdown(none)
 
 
 def test_cli_bench_choose_writes_the_choice(tmp_path, capsys):
@@ -466,18 +466,18 @@ def test_the_in_process_engine_is_built_with_the_profiles_engine_config():
     """served_vs_engine and batch_k compare the service with an engine built as the service
     builds it: every engine knob of the profile, its prefix cache included (a request repeated
     through the service skips its prompt's prefill; one in process must too)."""
-    from deployments.app_args import AppArgs
+    from deployments.profiles.app_args import AppArgs
     from fly_bench.oneoff.served_vs_engine import engine_config_for, engine_for, profile_args
 
     for profile in ("cpu-default", "cpu-tp2", "cpu-target-replica", "llama-70b"):
-        path = f"deployments/{profile}.yaml"
+        path = f"deployments/profiles/{profile}.yaml"
         served = AppArgs(**profile_args(path), tiny=True).engine_config()
         assert engine_config_for(path, tiny=True) == served, profile
-    config = engine_config_for("deployments/cpu-default.yaml", tiny=True)
+    config = engine_config_for("deployments/profiles/cpu-default.yaml", tiny=True)
     assert (config.target, config.drafter) == ("tiny:0", "tiny:1")
     assert config.prefix_cache and config.max_batch == 8 and config.drafter_precision == "int8"
     assert config.params().auto_k and config.params().mode == "fly"
-    engine = engine_for("deployments/cpu-default.yaml", tiny=True)
+    engine = engine_for("deployments/profiles/cpu-default.yaml", tiny=True)
     assert engine.scorer.runner.cache.prefix_cache and engine.drafters["model"].runner.cache.prefix_cache
     prompt = list(range(5, 60))
     engine.generate([prompt], {"max_tokens": 4})

@@ -8,7 +8,7 @@ import pytest
 import torch
 from test_engine import PROMPTS, VARIED, _noisy_copy
 
-from deployments.row_history import RowHistory, RowSender
+from deployments.parts.row_history import RowHistory, RowSender
 from fly_serve.build import build_engine
 from fly_serve.contracts import Row
 from fly_serve.drafting.draft_ahead import Stages

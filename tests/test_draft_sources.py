@@ -298,11 +298,11 @@ def test_scorer_reports_the_targets_topk_per_position():
 def test_free_sources_cost_like_prompt_lookup_in_the_policy():
     cost = RoundCostModel()
     for kind in (SUFFIX, RECYCLE):
-        rows = [RowInfo("a", 8, acceptance=0.7), RowInfo("b", 8, drafter=kind, acceptance=0.5)]
-        pld = [RowInfo("a", 8, acceptance=0.7), RowInfo("b", 8, drafter=PLD, acceptance=0.5)]
+        rows = [RowInfo("a", 8, acceptance=0.7), RowInfo("b", 8, source=kind, acceptance=0.5)]
+        pld = [RowInfo("a", 8, acceptance=0.7), RowInfo("b", 8, source=PLD, acceptance=0.5)]
         assert plan(rows, cost).ks == plan(pld, cost).ks
-    with pytest.raises(ValueError, match="^drafter:"):
-        RowInfo("a", 8, drafter="lookup")
+    with pytest.raises(ValueError, match="^source:"):
+        RowInfo("a", 8, source="lookup")
 
 
 def test_snapshot_and_restore_forget_later_learning():

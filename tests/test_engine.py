@@ -558,11 +558,12 @@ def test_suffix_index_of_the_engine_stays_within_its_bound():
     eng.eos_ids = set()
     for _ in range(4):
         eng.generate(PROMPTS, dict(mode="spd", mla_sources=ALL_SOURCES, max_tokens=30))
-        assert 0 < eng.suffix_index.num_tokens <= 200
-    nbytes = eng.suffix_index.nbytes
+        assert 0 < eng.draft_sources()["suffix"]["tokens"] <= 200
+    nbytes = eng.draft_sources()["suffix"]["bytes"]
     eng.generate(PROMPTS, dict(mode="suffix", max_tokens=30))
-    assert eng.suffix_index.nbytes == nbytes  # fixed arrays: eviction, never growth
-    assert eng.suffix_index.num_sequences < 4 * len(PROMPTS)  # the oldest were evicted
+    suffix = eng.draft_sources()["suffix"]
+    assert suffix["bytes"] == nbytes  # fixed arrays: eviction, never growth
+    assert suffix["sequences"] < 4 * len(PROMPTS)  # the oldest were evicted
     assert eng.suffix_index.propose(PROMPTS[3], 3) == VARIED_AR[3][:3]  # the newest is there
 
 

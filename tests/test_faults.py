@@ -120,10 +120,10 @@ def test_fault_run_kills_the_drafter_replica_of_its_replica_profile():
     report("fault run: drafter replica SIGKILLed with 3 in flight (1 streaming)", d)
     assert rc == 0 and summary["failed"] == [], (d, log[-3000:])
     # the run's default replica profile, said in its summary, its log and its table
-    assert d["profile"] == "deployments/cpu-tp2.yaml"
-    assert [s["profile"] for s in summary["servers"]] == ["deployments/cpu-tp2.yaml"]
-    assert "on deployments/cpu-tp2.yaml" in log
-    assert all(row.endswith("| deployments/cpu-tp2.yaml |") for row in table(summary).splitlines()[2:])
+    assert d["profile"] == "deployments/profiles/cpu-tp2.yaml"
+    assert [s["profile"] for s in summary["servers"]] == ["deployments/profiles/cpu-tp2.yaml"]
+    assert "on deployments/profiles/cpu-tp2.yaml" in log
+    assert all(row.endswith("| deployments/profiles/cpu-tp2.yaml |") for row in table(summary).splitlines()[2:])
     assert d["in_flight"] == ANSWERED and d["in_flight_finished_normally"] == 3, d["in_flight_errors"]
     assert d["in_flight_ended_before_kill"] == 0, "a request finished before the kill"
     assert d["recovery_s"] is not None, "no new drafter replica drafted"
@@ -139,7 +139,7 @@ def test_fault_run_fails_where_its_profile_has_no_drafter_replica():
     d = summary["drafter_kill"]
     report("fault run: drafter kill on a profile without a drafter replica", d)
     assert rc == 1 and summary["failed"] == ["drafter_kill"], log[-3000:]
-    assert d["profile"] == "deployments/cpu-default.yaml"
+    assert d["profile"] == "deployments/profiles/cpu-default.yaml"
     assert "expected one drafter replica, found pids []" in d["failed"]  # the app was up: it looked
     assert any(row.startswith("| drafter_kill |") and "FAILED" in row for row in table(summary).splitlines())
 
@@ -200,8 +200,8 @@ HUNG_ROUND_TIMEOUT_S = 8.0
 def test_hung_rank_times_out_and_the_group_is_rebuilt(app):
     from ray import serve
 
-    from deployments.placement import tp_bundles
-    from deployments.target_replica import TargetDeployment, TPGroupBroken
+    from deployments.parts.target_replica import TargetDeployment, TPGroupBroken
+    from deployments.profiles.placement import tp_bundles
     from fly_serve.config import EngineConfig
     from fly_serve.contracts import Drafts, Row
 

@@ -90,7 +90,7 @@ def test_a_gpu_pool_is_allocated_whole_at_start():
     assert grown_from(torch.device("cpu"), 256) == 256  # the CPU grows as needed
     assert grown_from(torch.device("cuda", 0), 256) is None  # a GPU takes its whole budget now
     runner = Runner(tiny_model(0), n_slots=2)
-    assert runner.cache.allocated < runner.cache.n_blocks  # on this CPU: grown later
+    assert runner.cache.pool.allocated < runner.cache.n_blocks  # on this CPU: grown later
 
 
 # ---- BOS

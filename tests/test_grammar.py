@@ -13,7 +13,7 @@ import pytest
 import torch
 from test_row_history import Handle, Replica
 
-from deployments.remote_parts import RemoteDrafter, RemoteScorer
+from deployments.parts.remote_parts import RemoteDrafter, RemoteScorer
 from fly_serve.build import EngineConfig, assemble_engine, build_engine, grammars_for, load_drafter, load_scorer
 from fly_serve.contracts import Drafts, Row, RowGrammar
 from fly_serve.decision.grammar import DraftMatchers, Grammars, unpack

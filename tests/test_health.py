@@ -4,7 +4,7 @@ fails its probe does, until it answers again."""
 import threading
 import time
 
-from deployments.health import Part, Prober
+from deployments.ingress.health import Part, Prober
 
 
 class Answer:
@@ -61,7 +61,7 @@ def test_a_poison_request_alone_fails_alone_and_the_next_one_is_answered():
     is answered."""
     import queue
 
-    from deployments.engine_loop import EngineLoop
+    from deployments.ingress.engine_loop import EngineLoop
     from fly_serve.build import build_engine
 
     engine = build_engine("tiny:0", "tiny:1", max_model_len=256, progress=lambda _: None)

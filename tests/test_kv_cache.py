@@ -7,8 +7,14 @@ import pytest
 import torch
 
 from fly_serve.loading.tiny import tiny_model
-from fly_serve.runtime.kv_cache import KVCache, KVCacheFull, budget_from_device, cdiv
+from fly_serve.runtime.kv_cache import KVCache, KVCacheFull, SeqRecord, budget_from_device, cdiv
 from fly_serve.runtime.runner import Runner
+
+
+def record_of(cache: KVCache, key: str) -> SeqRecord:
+    """What the cache holds of key's sequence (an empty record for a key it does not hold)."""
+    return cache.seqs[cache.seq_of[key]] if key in cache.seq_of else SeqRecord()
+
 
 MODEL = tiny_model(seed=0)
 BS = 4  # small blocks, so that a few tokens cross block boundaries
@@ -29,8 +35,8 @@ def check(runner: Runner, keys: list[str], seqs: list[list[int]]) -> list[int]:
     for b, (s, n) in enumerate(zip(seqs, fed)):
         assert torch.allclose(logits[b, :n], reference(s)[len(s) - n :], atol=1e-5), keys[b]
     for key, s in zip(keys, seqs):
-        assert runner.cache.tokens_held(key) == len(s)
-        assert runner.cache.blocks_held(key) == cdiv(len(s), BS)
+        assert len(record_of(runner.cache, key).tokens) == len(s)
+        assert len(record_of(runner.cache, key).blocks) == cdiv(len(s), BS)
     return fed
 
 
@@ -65,7 +71,7 @@ def test_release_returns_blocks_and_another_key_reuses_them():
     check(r, ["a", "b"], [seq(21, 2), seq(11, 3)])
     held = r.cache.free_blocks()
     r.release(["a"])
-    assert r.cache.free_blocks() == held + cdiv(21, BS) and r.cache.tokens_held("a") == 0
+    assert r.cache.free_blocks() == held + cdiv(21, BS) and len(record_of(r.cache, "a").tokens) == 0
     check(r, ["c"], [seq(25, 4)])  # takes a's blocks
     check(r, ["b", "c"], [seq(11, 3) + [5], seq(25, 4) + [6, 7]])
     r.release(["b", "c"])
@@ -109,7 +115,7 @@ def test_write_past_the_budget_raises_and_changes_nothing():
         r.feed(["a", "c"], [a[:5], seq(24, 12)], protect=["b"])
     assert e.value.key == "c"
     assert r.cache.free_blocks() == free and "c" not in r.cache.seq_of
-    assert r.cache.tokens_held("a") == 12 and r.cache.tokens_held("b") == 8
+    assert len(record_of(r.cache, "a").tokens) == 12 and len(record_of(r.cache, "b").tokens) == 8
     assert check(r, ["a", "b"], [a + [1], b + [2]]) == [1, 1]  # their keys and values are intact
 
 
@@ -119,7 +125,7 @@ def test_idle_keys_are_evicted_least_recently_used_first():
     check(r, ["a"], [a])
     check(r, ["b"], [b])  # a is now the least recently used
     check(r, ["c"], [seq(20, 15)])  # needs 5 blocks, 3 free: a goes, b stays
-    assert r.cache.tokens_held("a") == 0 and r.cache.tokens_held("b") == 8
+    assert len(record_of(r.cache, "a").tokens) == 0 and len(record_of(r.cache, "b").tokens) == 8
     check(r, ["b"], [b + [4]])
     assert check(r, ["a"], [a]) == [12]  # evicted means recomputed, still exact (c goes now)
 
@@ -135,11 +141,11 @@ def test_max_seqs_drops_the_least_recently_used_idle_key():
 
 def test_default_pool_starts_small_and_grows_up_to_the_budget():
     r = Runner(MODEL, n_slots=2, capacity=4, block_size=BS)  # capacity: the starting size, as before
-    assert r.cache.allocated == cdiv(2 * 4, BS) and r.cache.capacity_tokens == 2 * 4096
+    assert r.cache.pool.allocated == cdiv(2 * 4, BS) and r.cache.capacity_tokens == 2 * 4096
     s = seq(60, 19)
     check(r, ["a"], [s[:10] + [1, 2, 3]])
     check(r, ["a"], [s])
-    assert r.cache.allocated >= cdiv(60, BS) and r.cache.free_blocks() == r.cache.n_blocks - cdiv(60, BS)
+    assert r.cache.pool.allocated >= cdiv(60, BS) and r.cache.free_blocks() == r.cache.n_blocks - cdiv(60, BS)
 
 
 def test_budgets_give_the_expected_number_of_blocks():
@@ -151,7 +157,7 @@ def test_budgets_give_the_expected_number_of_blocks():
     assert cache.n_blocks == 10  # one block of the budget is scratch
     assert sum(t.numel() * t.element_size() for t in cache.k + cache.v) == 11 * cache.block_bytes
     lazy = KVCache(2, 2, 16, torch.float32, budget_tokens=1000, initial_tokens=20)
-    assert lazy.allocated == 2 and lazy.free_blocks() == lazy.n_blocks == 62
+    assert lazy.pool.allocated == 2 and lazy.free_blocks() == lazy.n_blocks == 62
     for bad in (dict(), dict(budget_tokens=16, budget_bytes=1 << 20), dict(budget_tokens=15)):
         with pytest.raises(ValueError):
             KVCache(2, 2, 16, torch.float32, **bad)
@@ -185,7 +191,7 @@ def test_catch_up_prefills_lagging_rows_together_and_the_logits_match():
     assert feeds == [["b", "a", "c"], ["d"]]  # "d" lags 3, over max_lag 1: padded to 22, apart
     r.feed = feed
     for key, s in zip(keys, seqs):
-        assert r.cache.tokens_held(key) == len(s) - 1  # the last token is the round's own
+        assert len(record_of(r.cache, key).tokens) == len(s) - 1  # the last token is the round's own
     check(r, keys, [s + seq(2, 7) for s in seqs])  # every row's next logits equal the full forward's
 
 
@@ -199,8 +205,10 @@ def test_an_update_that_fails_midway_changes_nothing(monkeypatch):
     c = r.cache
 
     def state():
-        rows = {k: (list(c.tokens[s]), list(c.blocks[s]), list(c.hashes[s])) for k, s in c.seq_of.items()}
-        return rows, sorted(c.free), list(c.ref), c.allocated, dict(c.registry), c.table.clone()
+        rows = {
+            k: (list(c.seqs[s].tokens), list(c.seqs[s].blocks), list(c.seqs[s].hashes)) for k, s in c.seq_of.items()
+        }
+        return rows, sorted(c.pool.free), list(c.pool.ref), c.pool.allocated, dict(c.pool.registry), c.table.clone()
 
     before = state()
     zeros, calls = torch.zeros, []
@@ -220,4 +228,4 @@ def test_an_update_that_fails_midway_changes_nothing(monkeypatch):
     assert after[:5] == before[:5] and torch.equal(after[5], before[5])
     check(r, ["a", "new"], [longer, seq(9, 24)])  # the same rows now: every logit as the model's own
     check(r, ["b"], [b + [7]])
-    assert r.cache.tokens_held("a") == len(longer) and r.cache.tokens_held("b") == len(b) + 1
+    assert len(record_of(r.cache, "a").tokens) == len(longer) and len(record_of(r.cache, "b").tokens) == len(b) + 1

@@ -86,7 +86,7 @@ def test_fault_run_table_has_a_row_per_fault_and_says_what_failed():
     tally = dict(sent=3, answered=3, errored=0, dropped=0, hung=0)
     summary = {
         "drafter_kill": {
-            "profile": "deployments/cpu-tp2.yaml",
+            "profile": "deployments/profiles/cpu-tp2.yaml",
             "in_flight": tally,
             "recovery_s": 14.8,
             "drafter_pid": "1 -> 2",
@@ -94,11 +94,11 @@ def test_fault_run_table_has_a_row_per_fault_and_says_what_failed():
             "later_drafted": [5, 6, 7],
         },
         "tp_rank_kill": {
-            "profile": "deployments/cpu-default.yaml",
+            "profile": "deployments/profiles/cpu-default.yaml",
             "failed": "ScenarioError('expected TP ranks (tp_size > 1), found pids []')",
         },
         "schemathesis": {
-            "profile": "deployments/cpu-default.yaml",
+            "profile": "deployments/profiles/cpu-default.yaml",
             "seed": 7,
             "cases_per_route": {"POST /v1/completions": 1000},
             "statuses": {
@@ -110,11 +110,11 @@ def test_fault_run_table_has_a_row_per_fault_and_says_what_failed():
     rows = table(summary).splitlines()
     assert rows[0].startswith("| fault |") and rows[1].startswith("|---|")
     assert rows[0].endswith("| profile |") and len(rows[1].split("|")) == len(rows[0].split("|"))
-    assert any("drafting again after 14.8 s" in r and r.endswith("| deployments/cpu-tp2.yaml |") for r in rows)
+    assert any("drafting again after 14.8 s" in r and r.endswith("| deployments/profiles/cpu-tp2.yaml |") for r in rows)
     assert any(r.startswith("| schemathesis | 1000 | 400 | 600 |") and "seed 7" in r and "5xx: 0" in r for r in rows)
     failed = [r for r in rows if r.startswith("| tp_rank_kill |")]
     assert len(failed) == 1 and "FAILED: ScenarioError('expected TP ranks" in failed[0]
-    assert failed[0].endswith("| deployments/cpu-default.yaml |")
+    assert failed[0].endswith("| deployments/profiles/cpu-default.yaml |")
 
 
 def test_soak_classifies_the_openai_clients_transport_errors():

@@ -1,5 +1,5 @@
 """The app on a multi-node Ray cluster (tiny models, every node a raylet of its own on 127.0.0.1:
-deployments/local_cluster.py), deployed from deployments/cpu-multinode.yaml as an operator would:
+deployments/local_cluster.py), deployed from deployments/profiles/cpu-multinode.yaml as an operator would:
 placement is the profile's (read back from Ray: the node of each replica and TP rank), outputs are
 the in-process engine's, a drafter node that joins gets a replica under load and the pool shrinks
 back when idle, a drafter node killed mid-generation fails no request, a target node killed gives
@@ -20,7 +20,7 @@ from serve_fixture import ROOT
 
 from deployments.launch import wait_ready
 from deployments.local_cluster import PROFILE, LocalCluster
-from deployments.placement import render_placement
+from deployments.profiles.placement import render_placement
 from fly_serve.build import build_engine
 from fly_serve.runtime.tp import free_port
 from loadtest.client import InFlight, complete
@@ -45,7 +45,7 @@ EAGER_POOL = {
     "downscale_delay_s": 3,
     "metrics_interval_s": 0.5,
     "look_back_period_s": 2,
-    "policy": {"policy_function": "deployments.replica_pool:BusyPolicy", "policy_kwargs": {"target": 0.01}},
+    "policy": {"policy_function": "deployments.routing.replica_pool:BusyPolicy", "policy_kwargs": {"target": 0.01}},
 }
 FLY = {"mode": "fly", "k": 4, "theta": 0.3, "window": 2}  # loose acceptance: the gate reads the target's entropy
 PROMPTS = ["def add(a, b):\n    return", "The quick brown fox", "1, 2, 3, 4, 5,", "hello hello hello"]

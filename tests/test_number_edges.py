@@ -191,7 +191,7 @@ def test_sampling_probs_of_accepted_values_are_finite():
     ],
 )
 def test_a_body_error_names_the_field_as_sent(raw, param):
-    from deployments.openai_api import BodyError, ChatRequest, CompletionRequest, parse_body
+    from deployments.http.openai_api import BodyError, ChatRequest, CompletionRequest, parse_body
 
     with pytest.raises(BodyError) as e:
         parse_body(raw.encode(), ChatRequest if "messages" in raw else CompletionRequest)

@@ -1,4 +1,4 @@
-"""Placement-group bundles of a TP target replica (deployments/placement.py) and the dry rendering
+"""Placement-group bundles of a TP target replica (deployments/profiles/placement.py) and the dry rendering
 of the profiles: GPU ranks get GPU bundles, the hand-written bundles of the YAMLs agree with the
 builder, and the GPU profiles fit the node types of cluster.yaml. Nothing here starts Ray."""
 
@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from deployments.placement import actor_resources, main, problems, render_placement, tp_bundles
+from deployments.profiles.placement import actor_resources, main, problems, render_placement, tp_bundles
 
 ROOT = Path(__file__).resolve().parent.parent
-DEPLOYMENTS = ROOT / "deployments"
+DEPLOYMENTS = ROOT / "deployments" / "profiles"
 CLUSTER = ROOT / "cluster.yaml"
 GPU_WORKER = {"num_cpus": 2, "num_gpus": 1, "resources": {"fly_target_gpu": 1}}
 PROFILES = [

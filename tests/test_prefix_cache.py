@@ -34,12 +34,12 @@ def check(r: Runner, keys: list[str], seqs: list[list[int]]) -> list[int]:
     for b, (s, n) in enumerate(zip(seqs, fed)):
         assert torch.allclose(logits[b, :n], reference(s)[len(s) - n :], atol=1e-5), keys[b]
     for key, s in zip(keys, seqs):
-        assert r.cache.tokens_held(key) == len(s)
+        assert r.cache.seqs[r.cache.seq_of[key]].tokens == s
     return fed
 
 
 def blocks(r: Runner, key: str) -> list[int]:
-    return r.cache.blocks[r.cache.seq_of[key]]
+    return r.cache.seqs[r.cache.seq_of[key]].blocks
 
 
 def test_a_second_sequence_adopts_the_full_blocks_of_a_shared_prefix():
@@ -49,7 +49,7 @@ def test_a_second_sequence_adopts_the_full_blocks_of_a_shared_prefix():
     assert check(r, ["b"], [p + seq(5, 3)]) == [23 - 16]  # 4 blocks adopted, the rest fed
     assert blocks(r, "a")[:4] == blocks(r, "b")[:4] and blocks(r, "a")[4] != blocks(r, "b")[4]
     assert r.cache.take_hits(["a", "b"]) == [0, 16] and r.cache.take_hits(["b"]) == [0]
-    assert [r.cache.ref[b] for b in blocks(r, "b")] == [2, 2, 2, 2, 1, 1]
+    assert [r.cache.pool.ref[b] for b in blocks(r, "b")] == [2, 2, 2, 2, 1, 1]
 
 
 def test_the_block_of_the_last_token_is_never_adopted():
@@ -69,7 +69,7 @@ def test_a_shared_block_is_copied_before_a_write_into_it():
     check(r, ["b"], [p + [1]])  # shares a's 5 blocks
     shared = blocks(r, "a")[2]
     assert check(r, ["a"], [p[:10] + [9, 9, 9]]) == [3]  # rollback into block 2, shared with b
-    assert blocks(r, "a")[2] != shared and r.cache.ref[shared] == 1  # a copied it; b keeps it
+    assert blocks(r, "a")[2] != shared and r.cache.pool.ref[shared] == 1  # a copied it; b keeps it
     assert blocks(r, "a")[:2] == blocks(r, "b")[:2]
     check(r, ["b"], [p + [1, 2]])  # b's cache is untouched by a's write
     assert check(r, ["a"], [p[:10] + [9, 9, 9, 4]]) == [1]
@@ -80,12 +80,15 @@ def test_released_blocks_stay_cached_until_the_budget_needs_them():
     p = seq(17, 6)
     check(r, ["a"], [p])
     r.release(["a"])
-    assert r.cache.free_blocks() == 8 and len(r.cache.evictable) == 4  # full blocks stay, evictable
+    assert r.cache.free_blocks() == 8 and len(r.cache.pool.evictable) == 4  # full blocks stay, evictable
     assert check(r, ["b"], [p + [3]]) == [2]
     assert r.cache.take_hits(["b"]) == [16]
     r.release(["b"])
     check(r, ["c"], [seq(30, 7)])  # 8 blocks: every cached one is evicted for it
-    assert r.cache.registry.keys() == {h for h in r.cache.hashes[r.cache.seq_of["c"]]} and len(r.cache.evictable) == 0
+    assert (
+        r.cache.pool.registry.keys() == {h for h in r.cache.seqs[r.cache.seq_of["c"]].hashes}
+        and len(r.cache.pool.evictable) == 0
+    )
     r.release(["c"])
     assert check(r, ["d"], [p + [3]]) == [18]  # p's blocks were evicted: all fed
 
@@ -96,13 +99,19 @@ def test_a_shared_block_is_never_evicted_while_in_use_and_full_changes_nothing()
     check(r, ["a"], [p + [1]])  # 5 blocks
     check(r, ["b"], [p + [2]])  # adopts 4, owns 1: 6 in use
     assert r.cache.free_blocks() == 2
-    before = ({k: list(v) for k, v in zip(r.cache.seq_of, r.cache.blocks)}, dict(r.cache.registry))
+    before = (
+        {k: list(v) for k, v in zip(r.cache.seq_of, (q.blocks for q in r.cache.seqs))},
+        dict(r.cache.pool.registry),
+    )
     with pytest.raises(KVCacheFull):  # 3 fresh blocks, only 2 free, and a, b are protected
         r.feed(["c"], [seq(12, 9)], protect=["a", "b"])
-    assert ({k: list(v) for k, v in zip(r.cache.seq_of, r.cache.blocks)}, dict(r.cache.registry)) == before
+    assert (
+        {k: list(v) for k, v in zip(r.cache.seq_of, (q.blocks for q in r.cache.seqs))},
+        dict(r.cache.pool.registry),
+    ) == before
     check(r, ["c"], [seq(12, 9)])  # a is evicted (least recent): its shared blocks stay with b
     assert "a" not in r.cache.seq_of
-    assert all(r.cache.ref[b] == 1 for b in blocks(r, "b"))
+    assert all(r.cache.pool.ref[b] == 1 for b in blocks(r, "b"))
     check(r, ["b"], [p + [2, 3]])
 
 
@@ -125,7 +134,7 @@ def test_off_registers_nothing():
     r = runner(budget_tokens=64, prefix_cache=False)
     p = seq(18, 11)
     check(r, ["a"], [p])
-    assert check(r, ["b"], [p + [1]]) == [19] and not r.cache.registry
+    assert check(r, ["b"], [p + [1]]) == [19] and not r.cache.pool.registry
 
 
 # ---- the engine: the same text with the cache as without it
@@ -169,15 +178,17 @@ def invariants(r: Runner) -> None:
     c = r.cache
     holders: dict[int, int] = {}
     for s in c.seq_of.values():
-        assert len(c.hashes[s]) == len(c.tokens[s]) // c.block_size
-        for b in c.blocks[s]:
+        assert len(c.seqs[s].hashes) == len(c.seqs[s].tokens) // c.block_size
+        for b in c.seqs[s].blocks:
             holders[b] = holders.get(b, 0) + 1
-    assert all(c.ref[b] == n for b, n in holders.items())
-    assert all(c.ref[b] == 0 for b in range(1, c.allocated + 1) if b not in holders)
-    assert set(c.evictable) <= set(c.hash_of) and not set(c.evictable) & set(holders)
-    assert not set(c.free) & (set(holders) | set(c.evictable))
-    assert len(c.free) + len(c.evictable) + len(holders) == c.allocated
-    assert all(c.registry[h] == b for b, h in c.hash_of.items()) and len(c.registry) == len(c.hash_of)
+    assert all(c.pool.ref[b] == n for b, n in holders.items())
+    assert all(c.pool.ref[b] == 0 for b in range(1, c.pool.allocated + 1) if b not in holders)
+    assert set(c.pool.evictable) <= set(c.pool.hash_of) and not set(c.pool.evictable) & set(holders)
+    assert not set(c.pool.free) & (set(holders) | set(c.pool.evictable))
+    assert len(c.pool.free) + len(c.pool.evictable) + len(holders) == c.pool.allocated
+    assert all(c.pool.registry[h] == b for b, h in c.pool.hash_of.items()) and len(c.pool.registry) == len(
+        c.pool.hash_of
+    )
 
 
 def test_random_traffic_keeps_every_invariant_and_every_logit():

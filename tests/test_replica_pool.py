@@ -1,10 +1,18 @@
-"""Sticky groups and the busy-time autoscaling policy (deployments/replica_pool.py); the routing
+"""Sticky groups and the busy-time autoscaling policy (deployments/routing/replica_pool.py); the routing
 through real Serve replicas is in test_serve_scaling.py."""
 
 import pytest
 from ray.serve.config import AutoscalingContext
 
-from deployments.replica_pool import BUSY, BusyPolicy, desired_replicas, group_from_tag, group_of, group_tag, split
+from deployments.routing.replica_pool import (
+    BUSY,
+    BusyPolicy,
+    desired_replicas,
+    group_from_tag,
+    group_of,
+    group_tag,
+    split,
+)
 
 KEYS = [f"cmpl-{i:04d}" for i in range(2000)]
 
@@ -68,8 +76,8 @@ def test_busy_policy():
 
 
 def test_rows_sharing_a_prefix_meet_the_same_drafter_within_a_bound_on_load():
-    from deployments.remote_parts import RemoteDrafter
-    from deployments.replica_pool import AFFINITY_TOKENS, pick_group, prefix_affinity, ranking
+    from deployments.parts.remote_parts import RemoteDrafter
+    from deployments.routing.replica_pool import AFFINITY_TOKENS, pick_group, prefix_affinity, ranking
     from fly_serve.contracts import Row
 
     assert all(ranking(k, 3)[0] == group_of(k, 3) for k in KEYS[:100])

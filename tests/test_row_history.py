@@ -1,11 +1,11 @@
-"""Rows carry only the tokens a replica does not hold (deployments/row_history.py), no Ray: the
+"""Rows carry only the tokens a replica does not hold (deployments/parts/row_history.py), no Ray: the
 remote parts over fake handles that call real replicas' code in-process, with a replica that
 restarts (forgets every row) in the middle of a generation."""
 
 import pytest
 
-from deployments.remote_parts import RemoteDrafter, RemoteScorer
-from deployments.row_history import RowHistory, RowSender, RowsUnknown, rows_unknown
+from deployments.parts.remote_parts import RemoteDrafter, RemoteScorer
+from deployments.parts.row_history import RowHistory, RowSender, RowsUnknown, rows_unknown
 from fly_serve.build import EngineConfig, assemble_engine, build_engine, load_drafter, load_scorer
 from fly_serve.contracts import Row
 from fly_serve.loading.loading import load_tokenizer

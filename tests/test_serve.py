@@ -69,6 +69,9 @@ def test_concurrent_requests_are_batched_and_each_correct(url, reference):
     assert len({o["choices"][0]["text"] for o in outs}) > 1  # really different sequences
     stats = requests.get(f"{url}/v1/fly/stats", timeout=30).json()
     assert stats["largest_batch"] > 1
+    # every finished request is in the suffix index, which says what it holds
+    suffix = stats["draft_sources"]["suffix"]
+    assert suffix["sequences"] >= len(jobs) and 0 < suffix["tokens"] and suffix["bytes"] > 0
 
 
 def sse_events(response):

@@ -1,4 +1,4 @@
-"""Every Serve config in deployments/ loads and builds its application (no deploy, no weights),
+"""Every Serve config in deployments/profiles/ loads and builds its application (no deploy, no weights),
 and cluster.yaml is valid against Ray's own cluster-launcher schema."""
 
 import json
@@ -14,12 +14,12 @@ from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
 from ray.serve._private.build_app import build_app
 from ray.serve.schema import ServeDeploySchema
 
-from deployments.admission import serve_limits
 from deployments.app import AppArgs, build
+from deployments.http.admission import serve_limits
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.serve
-CONFIGS = sorted((ROOT / "deployments").glob("*.yaml"))
+CONFIGS = sorted((ROOT / "deployments" / "profiles").glob("*.yaml"))
 
 
 def test_there_are_configs():
@@ -108,7 +108,7 @@ def test_bad_profile_values_name_the_field(field, value):
 
 
 def test_cpu_default_fits_two_cores():
-    config = yaml.safe_load((ROOT / "deployments" / "cpu-default.yaml").read_text())
+    config = yaml.safe_load((ROOT / "deployments" / "profiles" / "cpu-default.yaml").read_text())
     [app] = config["applications"]
     total = 0.0
     for d in app["deployments"]:

@@ -22,11 +22,11 @@ import pytest
 import requests
 from serve_fixture import ROOT, free_port, stop_serve
 
-from deployments.admission import Slots, serve_limits
-from deployments.engine_loop import EngineLoop
-from deployments.middleware import authorized, resolve_api_key
-from deployments.openai_api import clean, error_body
-from deployments.remote_parts import RemoteScorer, RemoteTimeout
+from deployments.http.admission import Slots, serve_limits
+from deployments.http.middleware import authorized, resolve_api_key
+from deployments.http.openai_api import clean, error_body
+from deployments.ingress.engine_loop import EngineLoop
+from deployments.parts.remote_parts import RemoteScorer, RemoteTimeout
 from fly_serve.build import build_engine
 
 pytestmark = pytest.mark.serve

@@ -35,7 +35,7 @@ APP = {
         "downscale_delay_s": 600,
         "metrics_interval_s": 0.5,
         "look_back_period_s": 2,
-        "policy": {"policy_function": "deployments.replica_pool:BusyPolicy", "policy_kwargs": {"target": 0.01}},
+        "policy": {"policy_function": "deployments.routing.replica_pool:BusyPolicy", "policy_kwargs": {"target": 0.01}},
     },
 }
 PROMPTS = ["def add(a, b):\n    return", "The quick brown fox", "1, 2, 3, 4, 5,", "hello hello hello"]

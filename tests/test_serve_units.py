@@ -2,7 +2,7 @@
 replica each with its own target replica, the draft model in the ingress, prefix cache on). A
 request's X-Session-Id keeps meeting one unit (X-Fly-Unit), so a conversation's second turn
 finds its prefix cached; different ids spread over both units; no id still works; a unit that
-drains gets no more sessions (deployments/unit_router.py)."""
+drains gets no more sessions (deployments/routing/unit_router.py)."""
 
 import time
 
@@ -10,7 +10,7 @@ import pytest
 import requests
 from serve_fixture import start_serve, stop_serve
 
-from deployments.unit_router import ROUTING_STATS_PERIOD_S, SESSION_HEADER
+from deployments.routing.unit_router import ROUTING_STATS_PERIOD_S, SESSION_HEADER
 
 pytestmark = pytest.mark.serve
 

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM
 
 from fly_serve.loading.sharded_load import INDEX, load_shard
-from fly_serve.loading.tiny import tiny_model
+from fly_serve.loading.tiny import tiny_llama, tiny_model
 from fly_serve.loading.weights import DEFAULT_TARGET, cache_dir
 from fly_serve.runtime import tp
 from fly_serve.runtime.runner import Runner
@@ -85,21 +85,10 @@ def test_bf16_equals_from_pretrained(tiny_dir):
 @pytest.mark.parametrize("rank", [0, 1])
 def test_row_parallel_bias_and_untied_head(tmp_path, rank):
     """Biases on o/down (row-parallel: rank 0 only) and an lm_head of its own in the file."""
-    cfg = LlamaConfig(
-        vocab_size=97,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=96,
-        attention_bias=True,
-        mlp_bias=True,
-        tie_word_embeddings=False,
-    )
 
     def make():
+        model = tiny_llama(SEED, vocab_size=97, attention_bias=True, mlp_bias=True)
         torch.manual_seed(SEED)
-        model = LlamaForCausalLM(cfg).eval().requires_grad_(False)
         for p in model.parameters():  # biases start at zero: make them visible
             p.uniform_(-1, 1)
         return model

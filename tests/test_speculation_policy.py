@@ -12,10 +12,9 @@ import yaml
 from fly_serve.k_auto.acceptance import AcceptanceTracker, expected_emitted
 from fly_serve.k_auto.allocator import RowInfo, min_confidence_for, plan
 from fly_serve.k_auto.cost_calibration import batch_shapes, verify_points
-from fly_serve.k_auto.cost_check import CostCheck, point_of
+from fly_serve.k_auto.measured_cost import CostCheck, UnderLoad, point_of, width_price
 from fly_serve.k_auto.round_cost import MODEL, NONE, PLD, BatchVerify, CostProfile, RoundCostModel
 from fly_serve.k_auto.speculation_policy import RoundTrace, SpeculationPolicy, free_key
-from fly_serve.k_auto.under_load import UnderLoad, width_price
 
 
 def cost_model(verify_at_1=0.02, per_token=0.0, per_forward=0.0, per_row_forward=0.0, per_round=0.0):
@@ -37,7 +36,7 @@ def rate(ks, rows, cost, overlap=False) -> float:
 
 
 def brute_force(rows, cost, overlap=False) -> float:
-    caps = [0 if r.drafter == NONE else r.k_max for r in rows]
+    caps = [0 if r.source == NONE else r.limit for r in rows]
     choices = [[cap] if r.fixed else range(cap + 1) for cap, r in zip(caps, rows)]
     return max(rate(ks, rows, cost, overlap) for ks in itertools.product(*choices))
 
@@ -103,7 +102,7 @@ def test_tracker_prior_forget_and_drift_back():
         tracker.observe_round(["a", "b", "bad"], [n for n, _ in rounds], [m for _, m in rounds])
     assert tracker.estimate("never seen") == pytest.approx(0.5)
     assert tracker.estimate("a") > 0.8 and tracker.estimate("bad") < 0.3
-    assert tracker.rounds("a") == 50 and tracker.rounds("never seen") == 0
+    assert "never seen" not in tracker.rows  # an estimate keeps nothing
     # The bad row is left at k = 0: its evidence ages and it drifts back to the prior.
     for _ in range(60):
         tracker.observe_round(["a", "bad"], [10, 0], [9, 0])
@@ -176,8 +175,8 @@ def test_free_rounds_draft_every_row_to_its_cap():
     rows = [
         RowInfo("a", 15, acceptance=0.3),
         RowInfo("b", 7, acceptance=0.9),
-        RowInfo("c", 32, drafter=PLD, acceptance=0.5),
-        RowInfo("d", 5, drafter=NONE, acceptance=0.9),
+        RowInfo("c", 32, source=PLD, acceptance=0.5),
+        RowInfo("d", 5, source=NONE, acceptance=0.9),
         RowInfo("e", 4, acceptance=0.6, tokens_per_forward=2.0),
     ]
     assert plan(rows, cost).ks == [15, 7, 32, 0, 4]
@@ -197,7 +196,7 @@ def test_higher_acceptance_drafts_more():
 
 
 def random_instance(rng, curve: str, mixed: bool = True):
-    """B <= 3 rows, k_max <= 4. curve: "linear", "convex" or "any" (non-decreasing) verify(n);
+    """B <= 3 rows, limit <= 4. curve: "linear", "convex" or "any" (non-decreasing) verify(n);
     mixed: model, lookup and non-drafting rows, some with MLA, some fixed."""
     rows = []
     for b in range(int(rng.integers(1, 4))):
@@ -207,7 +206,7 @@ def random_instance(rng, curve: str, mixed: bool = True):
             RowInfo(
                 str(b),
                 int(rng.integers(0, 5)),
-                drafter=drafter,
+                source=drafter,
                 acceptance=a,
                 tokens_per_forward=float(rng.choice([1.0, 1.0, 1.5, 2.0])) if mixed else 1.0,
                 fixed=bool(rng.random() < 0.15) and mixed,
@@ -300,7 +299,7 @@ def test_caps_are_respected():
             RowInfo(
                 str(b),
                 int(rng.integers(0, 33)),
-                drafter=str(rng.choice([MODEL, PLD, NONE])),
+                source=str(rng.choice([MODEL, PLD, NONE])),
                 acceptance=float(rng.uniform(0, 1)),
                 tokens_per_forward=float(rng.uniform(1, 3)),
                 fixed=bool(rng.random() < 0.1),
@@ -310,15 +309,15 @@ def test_caps_are_respected():
         cost = cost_model(rng.uniform(0.001, 0.05), rng.uniform(0, 0.001), rng.uniform(0, 0.01), rng.uniform(0, 0.001))
         ks = plan(rows, cost).ks
         for k, r in zip(ks, rows):
-            assert 0 <= k <= (0 if r.drafter == NONE else r.k_max)
-            if r.fixed and r.drafter != NONE:
-                assert k == r.k_max
+            assert 0 <= k <= (0 if r.source == NONE else r.limit)
+            if r.fixed and r.source != NONE:
+                assert k == r.limit
     assert plan([], cost).ks == []
 
 
 def test_draft_seconds_charge_a_forward_only_for_raising_the_longest_row():
     cost = cost_model(verify_at_1=0.02, per_token=0.0003, per_forward=0.05, per_row_forward=0.001, per_round=0.002)
-    rows = [RowInfo("a", 8), RowInfo("b", 8), RowInfo("c", 8, drafter=PLD)]
+    rows = [RowInfo("a", 8), RowInfo("b", 8), RowInfo("c", 8, source=PLD)]
     below = cost.round_s([4, 2, 0], rows) - cost.round_s([4, 0, 0], rows)
     assert below == pytest.approx(2 * (0.001 + 0.0003))  # b's share of forwards that run anyway
     above = cost.round_s([5, 2, 0], rows) - cost.round_s([4, 2, 0], rows)
@@ -608,7 +607,7 @@ def test_a_batch_whose_only_drafts_are_lookups_probes_one_draft_now_and_then():
     period, probed = policy.probe_every + 1, []
     for _ in range(4 * period):
         before = policy.probes
-        rows = [RowInfo("lookup", 4, drafter=PLD, fixed=True), *(RowInfo(k, 8, acceptance=0.0) for k in keys[1:])]
+        rows = [RowInfo("lookup", 4, source=PLD, fixed=True), *(RowInfo(k, 8, acceptance=0.0) for k in keys[1:])]
         ks = policy.choose(rows)
         kinds = [PLD] + [MODEL] * 4
         policy.record(RoundTrace(keys, ks, [0] * 5, kinds=kinds, draft_s=0.01, verify_s=0.1, forwards=max(ks[1:])))

@@ -1,4 +1,4 @@
-"""A serving process runs its torch work on one thread (deployments/threads.py says why: one
+"""A serving process runs its torch work on one thread (deployments/parts/threads.py says why: one
 OpenMP team per process), and the ingress's engine loop is that thread."""
 
 import asyncio
@@ -6,8 +6,8 @@ import threading
 
 import pytest
 
-from deployments.engine_loop import EngineLoop
-from deployments.threads import on_torch_thread, on_torch_thread_async
+from deployments.ingress.engine_loop import EngineLoop
+from deployments.parts.threads import on_torch_thread, on_torch_thread_async
 from fly_serve.build import build_engine
 
 

@@ -108,8 +108,8 @@ def test_table_math_by_hand():
     assert tune_k.best_k(tune_k.expected_curve(cost, 0.5, 2.0, 1, 6)) == 4
     # Two rows, a = 0.6 from the counts, 0.1 s per row per forward (no fixed part):
     # rate(k) = 2 (1 - 0.6**(k+1)) / 0.4 / (1 + 0.2 k) = 2, 2.667, 2.8, 2.72, ...: best k = 2.
-    fly = tune_k.Calibration("fly", 5, kept=6, rejections=4)
-    spd = tune_k.Calibration("spd", 5, kept=0, rejections=3)
+    fly = tune_k.Acceptance("fly", 5, kept=6, rejections=4)
+    spd = tune_k.Acceptance("spd", 5, kept=0, rejections=3)
     assert fly.acceptance == pytest.approx(0.6) and spd.acceptance == 0.0
     (row,) = tune_k.batch_rows(flat_verify_profile([0.1, 0.2]), fly, spd, [2], 5)
     assert row.rates[:4] == pytest.approx([2.0, 3.2 / 1.2, 3.92 / 1.4, 4.352 / 1.6])
@@ -123,7 +123,7 @@ def tiny_engine():
 
 
 def test_measured_speedup_runs_both_modes(tiny_engine):
-    prompts = tune_k.calibration_prompts(tiny_engine.tokenizer, 1)
+    prompts = tune_k.acceptance_prompts(tiny_engine.tokenizer, 1)
     measured = tune_k.measure_speedup(tiny_engine, prompts, 2, 1, 6, tqdm(disable=True))
     assert measured.ar_tokens_per_s > 0 and measured.fly_tokens_per_s > 0
     # a batch that ends in its first round: that round's rate (there is no other)

@@ -6,8 +6,8 @@ Through real Serve replicas: test_serve_units.py."""
 import random
 from collections import Counter
 
-from deployments.replica_pool import rendezvous
-from deployments.unit_router import Unit, route, units_from
+from deployments.routing.replica_pool import rendezvous
+from deployments.routing.unit_router import Unit, route, units_from
 
 SESSIONS = [f"conversation-{i}" for i in range(3000)]
 

@@ -83,7 +83,7 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=8)
     p.add_argument("--passes", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=96)
-    p.add_argument("--config", default="deployments/cpu-default.yaml")
+    p.add_argument("--config", default="deployments/profiles/cpu-default.yaml")
     p.add_argument("--tiny", action="store_true", help="tiny random models: a smoke run of this script")
     p.add_argument("--out", default="bench_out/batch_k")
     args = p.parse_args()

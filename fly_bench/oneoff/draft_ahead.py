@@ -2,7 +2,7 @@
 in one process with each split of torch threads, then (with --serve) through `fly-serve serve`
 with the profile's draft_ahead off and on, one after the other so that they never share cores.
 
-  python -m fly_bench.oneoff.draft_ahead --splits 2 1+1 2+2 1+3 --serve deployments/cpu-default.yaml \
+  python -m fly_bench.oneoff.draft_ahead --splits 2 1+1 2+2 1+3 --serve deployments/profiles/cpu-default.yaml \
       --max-tokens 160 --out bench_out/draft_ahead
   python -m fly_bench.oneoff.draft_ahead --target tiny:0 --drafter tiny:1 --max-tokens 24   # smoke run
 

@@ -2,7 +2,8 @@
 requests, greedy, through `build_engine()` in one process and through `fly-serve serve` with each
 profile given, one after the other so that they never share the cores.
 
-  python -m fly_bench.oneoff.served_vs_engine --configs deployments/cpu-default.yaml deployments/cpu-tp2.yaml \
+  python -m fly_bench.oneoff.served_vs_engine --configs deployments/profiles/cpu-default.yaml \
+      deployments/profiles/cpu-tp2.yaml \
       --max-tokens 160 --out bench_out/served
 
 Methods: `ar`; `default` (no `fly` object: the profile's own defaults; in process the same
@@ -78,7 +79,7 @@ def row(tokens: int, wall_s: float, fly: dict) -> dict:
 
 # ---- in process
 def engine_config_for(config: str, tiny: bool):
-    """The EngineConfig the service builds from this profile (deployments/app_args.py names the
+    """The EngineConfig the service builds from this profile (deployments/profiles/app_args.py names the
     engine's knobs as EngineConfig does): every engine knob the profile sets, its prefix cache and
     KV budgets too, not a chosen few."""
     from fly_serve.config import EngineConfig
@@ -323,7 +324,7 @@ def cpu() -> tuple[str, bool]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--configs", nargs="+", default=["deployments/cpu-default.yaml"])
+    p.add_argument("--configs", nargs="+", default=["deployments/profiles/cpu-default.yaml"])
     p.add_argument("--max-tokens", type=int, default=160)
     p.add_argument("--out", default="bench_out/served")
     p.add_argument("--skip-in-process", action="store_true")

@@ -7,11 +7,10 @@ and a replaced replica never desynchronize them) and sends the scorer only the a
 bitmask of each verified position ([n+1, ceil(V/32)] int32 a row, 19 KB a position for 152k
 tokens): the target, wherever it runs, needs no grammar library, no tokenizer and no state.
 
-Why llguidance rather than xgrammar: both compiled every schema measured (nested objects, arrays,
-enums, anyOf/oneOf, pattern, $ref); llguidance compiles a schema in 1-2 ms against xgrammar's 2-64
-ms (a schema per request: this is time to first token), and its mask, 0.07-0.5 ms a position, is
-well under 1% of a target forward here; it is one small wheel with no torch dependency, where
-xgrammar pulls triton (docs/journal.md, "Structured output").
+Why llguidance rather than xgrammar: both compiled every schema tried; llguidance compiled faster
+(a schema per request: this is time to first token), its mask costs a small share of a target
+forward, and it is one small wheel with no torch dependency, where xgrammar pulls triton
+(measured: docs/journal.md, "Structured output").
 
 llguidance builds its lexer lazily, so a grammar it accepts may still fail on the first tokens
 (a regex of a million repetitions: "too many expressions constructed"), and a grammar that no

@@ -70,9 +70,8 @@ def stopping(confidence: list[float], floor: list[float]) -> set[int]:
 
     Together, because the rows share what a draft costs: the drafter's forward runs while any row
     drafts, and the target verifies every row padded to the widest. A row that stops alone saves
-    neither and gives up drafts that the others' width verifies for free (8 rows at k auto on the
-    2-core CPU, one process: a stop by row took 5-8% more rounds for the same tokens and ran
-    1.6-3.3% slower, three passes taking turns, docs/journal.md). The floors are priced per row
+    neither and gives up drafts that the others' width verifies for free (a stop by row took more
+    rounds for the same tokens and ran slower: docs/journal.md). The floors are priced per row
     (SpeculationPolicy.min_confidence: the round's rate times a row's share of one more draft), so
     the batch's next forward pays when the chances sum to the floors.
     A row alone is the rule it always was: it stops once its own confidence falls below its floor.

@@ -208,7 +208,7 @@ class Engine:
                 "max_tokens",
                 f"prompt + max_tokens + k + 1 = {need} tokens can never fit the KV cache of {capacity} tokens",
             )
-        if params.mode_spec.drafter and self.drafters[params.mode_spec.drafter] is None:
+        if params.mode_spec.source and self.drafters[params.mode_spec.source] is None:
             raise ParamError("mode", f"{params.mode!r} needs a draft model and this engine has none")
         req = Request(request_id or f"req-{next(self._ids)}", prompt, params, self.tokenizer)
         req.matcher = self.grammars.matcher(params)
@@ -262,6 +262,15 @@ class Engine:
         parts = [self.scorer, self.drafters["model"]]
         known = [c for c in (getattr(p, "kv_capacity_tokens", None) for p in parts if p is not None) if c]
         return min(known) if known else None
+
+    def draft_sources(self) -> dict:
+        """What the model-free draft sources hold in memory: the suffix index grows with every
+        finished request up to suffix_max_tokens, Token Recycling's table with the vocabulary."""
+        index = self.suffix_index
+        return {
+            "suffix": {"tokens": index.num_tokens, "sequences": index.num_sequences, "bytes": index.nbytes},
+            "recycle": {"bytes": self.recycler.nbytes},
+        }
 
     def _admit_waiting(self) -> None:
         """Running requests reserve their whole KV need (prompt + max_tokens + a round's drafts), so
@@ -366,7 +375,7 @@ class Engine:
             [free_key(r.key) if b in free else r.key for b, r in enumerate(rows)],
             [len(d) for d in drafts.tokens],
             kept,
-            [PLD if b in free else req.params.mode_spec.drafter or NONE for b, req in enumerate(batch)],
+            [PLD if b in free else req.params.mode_spec.source or NONE for b, req in enumerate(batch)],
             draft_s=result.draft_s,
             verify_s=result.verify_s,
             forwards=drafts.forwards,
@@ -388,7 +397,7 @@ class Engine:
             # then a token the grammar allows) and drafts all legal: a sampled refused draft, kept
             # for its rejection (_constrain), is sure to lose the bet.
             free = req.matcher is None or (self.drafter_sees_grammar and _all_legal(drafts, b))
-            if k > 0 and free and bets(row, req.params.mode_spec.drafter) and not self.eos_ids.intersection(d):
+            if k > 0 and free and bets(row, req.params.mode_spec.source) and not self.eos_ids.intersection(d):
                 idx.append(b)
                 bet_rows.append(replace(row, tokens=row.tokens + d, k=k, peek=True, guessed=len(d)))
         if not idx:
@@ -427,13 +436,13 @@ class Engine:
         offers = {
             b: self._free_offer(row)
             for b, (req, row, f) in enumerate(zip(batch, rows, fixed))
-            if not f and req.params.mode_spec.drafter == "model" and row.mla and row.k > 0
+            if not f and req.params.mode_spec.source == "model" and row.mla and row.k > 0
         }
         infos = [
             RowInfo(
                 row.key,
                 row.k,
-                req.params.mode_spec.drafter or NONE,
+                req.params.mode_spec.source or NONE,
                 fixed=f,
                 free_k=len(offers.get(b, [])),
                 drafter_lag=len(req.tokens) - req.drafter_seen,
@@ -463,7 +472,7 @@ class Engine:
         p = req.params
         # Never draft past what the request may still emit: a round emits at most k + 1.
         room = min(p.max_tokens - len(req.generated), self.max_model_len - len(req.tokens)) - 1
-        k = 0 if p.mode_spec.drafter is None else max(0, min(p.k_cap, room))
+        k = 0 if p.mode_spec.source is None else max(0, min(p.k_cap, room))
         entropy = p.entropy if p.mode_spec.loose and p.theta < 1 else None
         rho = float(p.rho) if entropy else 0.0
         grammar = RowGrammar(req.matcher.text, req.n_prompt) if req.matcher is not None else None
@@ -494,7 +503,7 @@ class Engine:
             idx = [
                 b
                 for b, r in enumerate(batch)
-                if r.params.mode_spec.drafter == kind and rows[b].k and held[b] is None and b not in free
+                if r.params.mode_spec.source == kind and rows[b].k and held[b] is None and b not in free
             ]
             if not idx:
                 continue

@@ -33,7 +33,7 @@ class Mode:
     # How it drafts, k auto's kinds (round_cost.KINDS) and the engine's drafters by the same name:
     # None: no drafts (plain decoding); "pld": prompt lookup; "suffix": the suffix index over
     # earlier requests; "recycle": Token Recycling; "model": the draft model
-    drafter: str | None
+    source: str | None
     loose: bool  # FLy's entropy gate and deferred window decide; False: strict (standard SPD)
     help: str
 

@@ -31,7 +31,6 @@ class _Evidence:
     rejected: float = 0.0  # rounds that ended in a rejection (failures), discounted by age
     drafted: float = 0.0  # drafts and drafter forwards of model-drafted rounds, for tokens_per_forward
     forwards: float = 0.0
-    rounds: int = 0  # rounds seen (the policy's probes count them)
 
 
 class AcceptanceTracker:
@@ -57,7 +56,6 @@ class AcceptanceTracker:
         drafter forwards the row was in (None: not reported, or not a model-drafted row)."""
         ev = self.rows.setdefault(key, _Evidence())
         _age(ev, self.decay)
-        ev.rounds += 1
         ev.kept += kept
         ev.rejected += kept < drafted
         if forwards:
@@ -91,10 +89,6 @@ class AcceptanceTracker:
         if ev is None or ev.forwards <= 0:
             return 1.0
         return max(1.0, (ev.drafted + 1.0) / (ev.forwards + 1.0))
-
-    def rounds(self, key: str) -> int:
-        ev = self.rows.get(key)
-        return ev.rounds if ev is not None else 0
 
     def forget(self, key: str):
         self.rows.pop(key, None)

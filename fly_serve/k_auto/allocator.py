@@ -2,7 +2,7 @@
 second of the round (the objective of SmartSpec, Liu et al. 2024). A row at k = 0 is plain
 decoding inside the same target forward.
 
-  RowInfo             what the allocator knows of a row (cap, drafter kind, acceptance, MLA)
+  RowInfo             what the allocator knows of a row (limit, source, acceptance, MLA)
   plan                the ks of one round (the rule is in its docstring)
   min_confidence_for  when the drafter should stop a row early
 """
@@ -21,11 +21,11 @@ _TINY = 1e-12
 @dataclass
 class RowInfo:
     key: str
-    k_max: int  # the request's cap (and what room is left in max_tokens / the context)
-    drafter: str = MODEL  # one of KINDS
+    limit: int  # the most drafts this round: the request's k (or k_max under k auto), cut to the room left
+    source: str = MODEL  # what drafts the row: one of KINDS
     acceptance: float | None = None  # None: the policy's tracker fills it
     tokens_per_forward: float | None = None  # drafts per drafter forward; None: tracker / 1
-    fixed: bool = False  # k is k_max (a request with a fixed k); the others adapt around it
+    fixed: bool = False  # k is limit (a request with a fixed k); the others adapt around it
     # A model row's alternative this round: the drafts its model-free sources propose (no
     # drafter forward); 0: none (speculation_policy.choose weighs them against the model's)
     free_k: int = 0
@@ -34,8 +34,8 @@ class RowInfo:
     drafter_lag: int = 0
 
     def __post_init__(self):
-        if self.drafter not in KINDS:
-            raise ValueError(f"drafter: must be one of {', '.join(KINDS)} (got {self.drafter!r})")
+        if self.source not in KINDS:
+            raise ValueError(f"source: must be one of {', '.join(KINDS)} (got {self.source!r})")
 
 
 @dataclass
@@ -91,9 +91,9 @@ def plan(rows: list[RowInfo], cost: RoundCostModel, max_iter: int = 12, overlap:
         return Plan([], 0.0, 0.0)
     cols = [
         (
-            0 if r.drafter == NONE else max(int(r.k_max), 0),
+            0 if r.source == NONE else max(int(r.limit), 0),
             r.acceptance or 0.0,
-            r.drafter == MODEL,
+            r.source == MODEL,
             tokens_per_forward(r),
             r.fixed,
         )
@@ -104,7 +104,7 @@ def plan(rows: list[RowInfo], cost: RoundCostModel, max_iter: int = 12, overlap:
     e, c, d = (float(x) for x in cost.draft_coefficients)
     per_forward = np.where(model, 1.0 / tpf, 0.0)  # drafter forwards per draft of the row
     d_row = d * per_forward  # drafter seconds per draft of the row
-    floor = np.where(fixed, cap, 0)  # a fixed row drafts its k_max
+    floor = np.where(fixed, cap, 0)  # a fixed row drafts its limit
 
     # Tables: sum_{j<=m} a**j (drafts kept in expectation) by row and m; verify by drafts.
     K = int(cap.max())

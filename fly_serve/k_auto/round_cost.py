@@ -38,7 +38,7 @@ carries a table of seconds by (rows, tokens per row), BatchVerify, timed at thos
 round costs its padded shape read off it: a row below the widest drafts for free in the target,
 raising the widest costs the step of all B rows. A profile without the table (written by hand,
 an older tune-k, the default shape, a corrected one) prices the forward by its real tokens
-sum_b (k_b + 1) on the one-row curve, as before.
+sum_b (k_b + 1) on the one-row curve.
 """
 
 import math
@@ -256,7 +256,7 @@ class RoundCostModel:
         """Predicted seconds of a round in which row b drafts ks[b] (rows: allocator.RowInfo);
         overlap: with draft-ahead (the module docstring; a row's acceptance gives its bet's chance)."""
         ks = np.asarray(ks, dtype=float)  # [B]
-        model = np.array([r.drafter == MODEL for r in rows], dtype=bool)  # [B]
+        model = np.array([r.source == MODEL for r in rows], dtype=bool)  # [B]
         tpf = np.array([tokens_per_forward(r) for r in rows])  # [B]
         f = np.where(model, ks / tpf, 0.0)  # [B] drafter forwards each row is in
         forwards = math.ceil(float(f.max()) - 1e-9) if len(rows) else 0

@@ -4,9 +4,9 @@ The parts, one job each:
   acceptance.py   AcceptanceTracker: each row's chance a draft is kept, from its own rounds
   round_cost.py   CostProfile (the measurement) and RoundCostModel (frozen predictions)
   allocator.py    plan: the ks of one round for the most expected tokens per predicted second
-  cost_check.py   CostCheck: a profile whose shape the measured rounds contradict is replaced
-  under_load.py   UnderLoad: the model of rounds of two rows or more, the drafter (a forward, a
-                  round) and the width priced as they measure them
+  measured_cost.py  the frozen profile against live rounds: CostCheck (a profile whose shape
+                  they contradict is replaced), UnderLoad (rounds of two rows or more: the
+                  drafter and the width priced as they measure them)
   cost_calibration.py  measures a profile where the engine runs (cached per machine and models)
 
 Determinism. A row alone is planned from the frozen cost model and its own acceptance history,
@@ -19,7 +19,7 @@ is frozen for the engine's life: its shape may differ from live rounds by more t
 tolerance (short timing rows against long contexts), and a correction mid-service would change
 the plan, hence the text, of the next identical request.
 
-Under load. Rounds of two rows or more are planned from UnderLoad's model (under_load.py): the
+Under load. Rounds of two rows or more are planned from UnderLoad's model (measured_cost.py): the
 frozen one with the drafter's forwards and rounds priced against the target, and the target's
 width against its base, as the rounds under load measure them. There
 the profile's error is as large as the differences between plans (a served ingress streams text
@@ -53,9 +53,8 @@ from dataclasses import dataclass
 
 from .acceptance import AcceptanceTracker
 from .allocator import Plan, RowInfo, min_confidence_for, plan
-from .cost_check import CostCheck, point_of
+from .measured_cost import CostCheck, UnderLoad, point_of
 from .round_cost import MODEL, NONE, PLD, CostProfile, RoundCostModel
-from .under_load import UnderLoad
 
 log = logging.getLogger("fly_serve.k_auto.speculation_policy")
 
@@ -168,8 +167,8 @@ class SpeculationPolicy:
         rows = [
             RowInfo(
                 r.key,
-                r.k_max,
-                r.drafter,
+                r.limit,
+                r.source,
                 tracker.estimate(r.key) if r.acceptance is None else r.acceptance,
                 r.tokens_per_forward or tracker.tokens_per_forward(r.key),
                 r.fixed,
@@ -217,14 +216,14 @@ class SpeculationPolicy:
         if len(rows) < 2 or self.width_every <= 0 or not cost.batched:
             return ks
         self._batch_rounds += 1
-        steppable = [b for b, r in enumerate(rows) if r.drafter == MODEL and not r.fixed and r.k_max > 0]
+        steppable = [b for b, r in enumerate(rows) if r.source == MODEL and not r.fixed and r.limit > 0]
         width = max((ks[b] for b in steppable), default=0)
         if self._batch_rounds % self.width_every or width == 0:
             return ks
         step = 1 if (self._batch_rounds // self.width_every) % 2 else -1
         for b in steppable:
             if ks[b] == width:
-                ks[b] = min(width + step, rows[b].k_max)
+                ks[b] = min(width + step, rows[b].limit)
         self.width_steps += 1
         return ks
 
@@ -234,10 +233,10 @@ class SpeculationPolicy:
         row of a batch gets its turn. In a batch, at the draft model's widest k, and where it drafts
         nothing, 1 draft at most once every probe_every + 1 rounds (the module docstring)."""
         # the model drafter's width: a lookup row's drafts (pld, suffix) cost no drafter forward
-        width = max((k for r, k in zip(rows, ks) if r.drafter == MODEL), default=0)
+        width = max((k for r, k in zip(rows, ks) if r.source == MODEL), default=0)
         idle, batch = self._idle, len(rows) > 1
         for r, k in zip(rows, ks):
-            if r.fixed or r.drafter == NONE or r.k_max <= 0 or k > 0:
+            if r.fixed or r.source == NONE or r.limit <= 0 or k > 0:
                 idle.pop(r.key, None)
                 if k > 0 and not r.fixed:  # the plan drafts it: probes again at the shortest gap
                     self._gap.pop(r.key, None)
@@ -252,7 +251,7 @@ class SpeculationPolicy:
         self._probing = {rows[b].key for b in due}
         k_probe = max(width, 1) if batch else self.probe_k
         for b in due:
-            ks[b], idle[rows[b].key] = min(k_probe, self.probe_k, rows[b].k_max), 0
+            ks[b], idle[rows[b].key] = min(k_probe, self.probe_k, rows[b].limit), 0
             if self.frozen:  # else the probes feed the cost check too, which needs them regular
                 doubled = min(2 * self._gap.get(rows[b].key, self.probe_every), self.max_probe_every)
                 self._gap[rows[b].key] = max(doubled, self._budget_gap(rows[b], ks[b]))
@@ -267,9 +266,9 @@ class SpeculationPolicy:
         gap = self._gap.get(row.key)
         if gap is not None:
             return gap
-        if not self.frozen or row.drafter != MODEL:
+        if not self.frozen or row.source != MODEL:
             return self.probe_every
-        return max(self.probe_every, self._budget_gap(row, min(self.probe_k, row.k_max)))
+        return max(self.probe_every, self._budget_gap(row, min(self.probe_k, row.limit)))
 
     def _budget_gap(self, row: RowInfo, k: int) -> int:
         """Rounds between probes that keep a k-draft probe's extra seconds (over a plain round,
@@ -332,7 +331,7 @@ class SpeculationPolicy:
         return float(per_row / per_forward) if per_forward > 0 else None
 
     def report(self) -> dict:
-        """What the service shows of k auto (/v1/fly/stats): the model under load (under_load.py)
+        """What the service shows of k auto (/v1/fly/stats): the model under load (measured_cost.py)
         and the rows probed since the start."""
         u = self.under_load
         return {

@@ -52,9 +52,8 @@ def resolve_precision(precision: str, device: torch.device | str | None = None, 
 
     "auto": bf16 on a GPU or on a CPU with bf16 instructions, else fp32. Without them torch
     emulates bf16 matmuls, so a forward over T tokens costs about T one-token forwards and a
-    verification of k drafts costs as much as k plain steps: speculation cannot pay. Measured on a
-    2-core AVX2 CPU (fly_bench/oneoff/forward_cost.py, 1.5B target, after 200 cached): 1 / 16 tokens took
-    185 / 2382 ms in bf16 and 312 / 1037 ms in fp32.
+    verification of k drafts costs as much as k plain steps: speculation cannot pay
+    (fly_bench/oneoff/forward_cost.py measures it; docs/journal.md).
     "int8" on a GPU: bf16, with a line to `progress` (torch.ao dynamic int8 runs on CPUs only)."""
     gpu = is_gpu(device if device is not None else local_device())
     if precision == "int8" and gpu:

@@ -286,28 +286,9 @@ class KVCache:
         """Tokens that whole free blocks hold; room left in sequences' last blocks is not counted."""
         return self.free_blocks() * self.block_size
 
-    def tokens_held(self, key: str) -> int:
-        s = self.seq_of.get(key)
-        return 0 if s is None else len(self.seqs[s].tokens)
-
-    def blocks_held(self, key: str) -> int:
-        s = self.seq_of.get(key)
-        return 0 if s is None else len(self.seqs[s].blocks)
-
     def take_hits(self, keys: list[str]) -> list[int]:
         """Prefix cache hit tokens of each key since the last call (then zero)."""
         return [self.hits.pop(key, 0) for key in keys]
-
-    # the pool's and the records' state, read by the invariant tests
-    ref = property(lambda self: self.pool.ref)
-    free = property(lambda self: self.pool.free)
-    evictable = property(lambda self: self.pool.evictable)
-    registry = property(lambda self: self.pool.registry)
-    hash_of = property(lambda self: self.pool.hash_of)
-    allocated = property(lambda self: self.pool.allocated)
-    tokens = property(lambda self: [r.tokens for r in self.seqs])
-    blocks = property(lambda self: [r.blocks for r in self.seqs])
-    hashes = property(lambda self: [r.hashes for r in self.seqs])
 
     # ---- the content rule
     def valid(self, key: str, tokens: list[int]) -> int:

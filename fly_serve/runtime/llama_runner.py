@@ -139,10 +139,6 @@ class SeqTable:
     def take_hits(self, keys: list[str]) -> list[int]:
         return [self.hits.pop(key, 0) for key in keys]
 
-    def tokens_held(self, key: str) -> int:
-        s = self.rows.get(key)
-        return 0 if s is None else len(s.tokens)
-
     # ---- the content rule
     def plan(self, keys: list[str], tokens: list[list[int]], limits, protect=()) -> list[tuple[_Seq, int]]:
         """[(seq, start)] per row: its cells hold tokens[:start] (the rest removed), the caller feeds

@@ -2,19 +2,17 @@
 
 torch's CPU wheel multiplies fp32 through MKL (aten addmm), which packs the weight again on every
 call, and on an AMD CPU takes a slower code path. oneDNN's linear over a weight reordered once into
-its blocked layout (what inductor's freezing does for a compiled CPU model) does neither. On a
-2-core AMD EPYC with AVX2 a 1536 x 8960 fp32 layer (the 1.5B target's MLP) took 2.75 / 5.73 / 8.22
-/ 9.33 ms at 1 / 2 / 8 / 16 rows through MKL and 1.62 / 1.83 / 3.28 / 4.53 ms packed: a verification
-of a few tokens then costs little more than one token, which is what speculation lives on. Machines
-differ (an Intel CPU's MKL may be as fast), so `use_where_faster` times one of the model's own
-layers both ways at load and keeps the faster; FLY_SERVE_LINEAR=dense|onednn overrides it.
+its blocked layout (what inductor's freezing does for a compiled CPU model) does neither, so a
+verification of a few tokens costs little more than one token, which is what speculation lives on
+(timings: docs/journal.md, "fp32 on oneDNN"). Machines differ (an Intel CPU's MKL may be as fast),
+so `use_where_faster` times one of the model's own layers both ways at load and keeps the faster;
+FLY_SERVE_LINEAR=dense|onednn overrides it.
 
 Only fp32 models on a CPU, in one process (a tensor-parallel rank keeps nn.Linear): bf16 already
 runs through oneDNN, and int8 drafters through fbgemm. The packed weight is an opaque oneDNN tensor:
 nothing else may read a converted layer's weight (Runner reads the dtype from the embeddings).
-A head tied to the embeddings (Qwen's) is packed too, a copy beside the embedding table (0.93 GB
-more for the 1.5B target in fp32): on that CPU the head alone took 49.9 / 198 ms at 1 / 8 rows
-dense against 29.1 / 50.5 ms packed.
+A head tied to the embeddings (Qwen's) is packed too, a copy beside the embedding table: the head
+is the largest single layer, so it gains the most.
 """
 
 import os

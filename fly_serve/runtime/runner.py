@@ -66,7 +66,7 @@ def fold_queries(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
     one KV head become G x T queries of that head (query j x T + t is head j's token t). Attention
     is then one plain product per KV head; SDPA with enable_gqa on a CPU instead copies every key
     and value G times (math kernel, with a mask) or runs a kernel made for long queries, which for
-    a decode step's attention costs 10x (FOLD_TOKENS)."""
+    a decode step's attention costs several times more (FOLD_TOKENS)."""
     B, H, T, D = q.shape
     return q.reshape(B, kv_heads, H // kv_heads * T, D)
 
@@ -289,8 +289,8 @@ def prefill_groups(
     longest lag x longest of `lengths`, each row's whole sequence) within max_scores: rows of
     different starts take SDPA's math kernel, whose scores per head are that product (a
     one-row prefill from the start keeps the fused kernels). A row over a cap goes alone, as
-    every row did before grouping. On a CPU a forward reads every weight once whatever its rows:
-    8 rows of 40-46 tokens prefilled in 0.63-0.90x the time of 8 forwards (docs/journal.md)."""
+    every row did before grouping. On a CPU a forward reads every weight once whatever its rows,
+    so one grouped prefill costs less than a forward per row (docs/journal.md)."""
     lengths = lags if lengths is None else lengths
     order = sorted(range(len(lags)), key=lambda i: -lags[i])
     groups: list[list[int]] = []

@@ -1,9 +1,9 @@
-"""Choosing defaults from a calibration sweep: among the engine methods of one temperature and
-batch size, the fastest whose recovery against `ar` keeps the point >= `point` and the lower bound
-of its 95% interval >= `lower`, with the problems of every dataset pooled (more problems, a
-tighter interval). Speed is the geometric mean over datasets of the speedup over `ar` of the same
-dataset, so a dataset with long replies does not outweigh the others. Pure functions of result
-records (store.py): tested on known inputs."""
+"""`fly-serve bench --choose`: picking a default from a sweep of methods. Among the engine methods of
+one temperature and batch size, the fastest whose recovery against `ar` keeps the point >= `point`
+and the lower bound of its 95% interval >= `lower`, with the problems of every dataset pooled (more
+problems, a tighter interval). Speed is the geometric mean over datasets of the speedup over `ar` of
+the same dataset, so a dataset with long replies does not outweigh the others. Pure functions of
+result records (store.py): tested on known inputs."""
 
 from collections import defaultdict
 from dataclasses import asdict, dataclass

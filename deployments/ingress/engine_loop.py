@@ -2,7 +2,7 @@
 
 The thread is also the ingress process's torch thread: given a function that builds the Engine,
 it loads the models there, and `call` runs other model work there between rounds (k auto's
-calibration), so the process has one OpenMP team (deployments/threads.py says why that matters).
+calibration), so the process has one OpenMP team (deployments/parts/threads.py says why that matters).
 
 HTTP handlers never touch the Engine: they post submissions and aborts to an inbox, which the
 thread drains between rounds (that is where requests join and leave). After each round the
@@ -196,9 +196,10 @@ class EngineLoop:
             "waiting": len(self.engine.waiting),
             "finished": dict(self.finished),
             # k auto under load: the drafter and the width priced as rounds of 2+ rows measure them
-            # (fly_serve/k_auto/under_load.py); probes: rows k auto made draft to measure them again
+            # (fly_serve/k_auto/measured_cost.py); probes: rows k auto made draft to measure them again
             "k_auto_under_load": k_auto["under_load"],
             "k_auto_probes": k_auto["probes"],
+            "draft_sources": self.engine.draft_sources(),
             # mean seconds per round by phase; call minus compute is transport
             "timeline": {phase: s / max(self.rounds, 1) for phase, s in self.timeline.items()},
             "last_round": {

@@ -64,7 +64,7 @@ class AppArgs(BaseModel):
     target_threads: int | None = None
     drafter_threads: int | None = None
     # the nice of the processes that compute (ingress, drafter replicas, target replicas, TP ranks):
-    # ahead of Ray's control plane and other work on the node (deployments/threads.py); None: leave
+    # ahead of Ray's control plane and other work on the node (deployments/parts/threads.py); None: leave
     serving_nice: int | None = Field(-10, ge=-20, le=19)
     tp_worker_options: dict = DEFAULT_TP_WORKER_OPTIONS  # Ray actor options of each TP rank (GPUs too)
     speculation_profile: dict | None = None  # k "auto"'s round cost model, as `fly-serve tune-k` writes it

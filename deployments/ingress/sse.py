@@ -3,8 +3,9 @@
 import json
 from collections.abc import AsyncIterator, Callable
 
+from deployments.http.openai_api import ResponseBodies
+
 from .engine_loop import Update
-from .openai_api import ResponseBodies
 
 
 def sse(body) -> str:

@@ -12,7 +12,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .remote_parts import wait
+from deployments.parts.remote_parts import wait
 
 log = logging.getLogger("ray.serve")
 

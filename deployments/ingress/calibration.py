@@ -10,10 +10,9 @@ becomes ready."""
 
 import logging
 
+from deployments.profiles.app_args import AppArgs
 from fly_serve.engine.engine import Engine
 from fly_serve.k_auto.cost_calibration import calibrate_engine, calibration_key
-
-from .app_args import AppArgs
 
 log = logging.getLogger("ray.serve")
 

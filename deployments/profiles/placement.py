@@ -7,7 +7,7 @@ node: the ranks talk over local gloo / NCCL). Bundle r holds rank r's Ray actor,
 everything that actor asks for (CPU, GPU, memory, custom resources such as fly_target_gpu);
 bundle 0 also holds the replica actor itself, which Serve always places there.
 
-    python -m deployments.placement deployments/llama-70b.yaml [cluster.yaml]
+    python -m deployments.profiles.placement deployments/profiles/llama-70b.yaml [cluster.yaml]
 """
 
 import json
@@ -244,7 +244,7 @@ def problems(rendered: dict) -> list[str]:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not 1 <= len(argv) <= 2:
-        print("usage: python -m deployments.placement SERVE_CONFIG.yaml [cluster.yaml]", file=sys.stderr)
+        print("usage: python -m deployments.profiles.placement SERVE_CONFIG.yaml [cluster.yaml]", file=sys.stderr)
         return 2
     rendered = render_placement(*argv)
     print(json.dumps(rendered, indent=2))

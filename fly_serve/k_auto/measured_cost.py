@@ -1,48 +1,31 @@
-"""k "auto"'s cost model for rounds of two rows or more: the frozen profile with the drafter
-priced against the target, and the target's width against its base, as the rounds under load
-measure them.
+"""The frozen cost profile against the rounds the engine really runs. The round cost model is
+frozen (round_cost.py) so that a plan never chases wall-clock noise; what it measures is read here,
+in two ways, and only where a reading changes the plan.
 
-The profile is timed at start on an idle host, each part alone (cost_calibration.py). Under load
-the drafter is not what it timed: a served ingress streams every row's text to its client while
-the drafter runs (the first phase of the next round), and a drafter call catches up the tokens the
-round before accepted. On the 2-core CPU a drafting call cost 1.3-1.6x its prediction relative to
-the verification of the same round, over hundreds of rounds at 8 users (docs/journal.md), and
-between k 1 and k 3 at 6-8 rows that error decides the plan.
+CostCheck: the profile's shape, at batch 1. A profile measured on another machine, or the default
+shape of an uncalibrated engine, would stay wrong for the engine's life: a model that overprices
+drafts plans k = 0 and never sees a round that would show otherwise. The policy's probes run
+drafting rounds now and then; every round's measured seconds are compared with the model's
+prediction at that operating point (the target forward as the model prices it: its tokens, or its
+shape (rows, tokens per row) with a batch table). Only the shape counts: a machine uniformly slower
+or faster scales every prediction alike and leaves the plan unchanged. The profile is replaced when
+measured / predicted differs between operating points by more than `tolerance`, each point the
+median of its last `window` rounds and at least `min_rounds` of them.
 
-What is corrected is the ratio of the two parts, measured within each round: (drafting seconds /
-predicted) / (verification seconds / predicted). A drift of the host's speed over minutes (20-30%
-on the VM) slows both halves of a round alike and cancels; the median over a window of rounds
-keeps one slow call from moving it. The verification's table is not corrected cell by cell:
-per-shape corrections from live rounds compare shapes seen minutes apart, which that drift
-confounds; only its width as a whole, from rounds seconds apart (below).
-
-The price of width. Whether 8 rows draft 1 or 2 a round turns on what one more token a row adds
-to the target's forward, and that price moves with the host: the forward of a few tokens a row
-is bound by memory bandwidth, its width by arithmetic, and a busy neighbour on the VM slows the
-first more than the second. On the 2-core CPU two calibrations a few hours apart priced
-[8, 4] / [8, 2] at 1.70 and 1.40; k auto planned k 1 from one and 2-3 drafts from the other, and
-k 2 beat both by 7-16% (docs/journal.md). So with a batch table the target is modelled as
-base(B) + beta x (table(B, T) - base(B)), base(B) the one-token forward of B rows: beta scales the
-width against the base, and the base's drift cancels. beta comes from pairs of consecutive rounds
-of the same rows count and different widths (seconds apart, the host's speed is the same): their
-ratio of measured seconds solves for it; the median of the last `window` pairs, clipped to
-[1/4, 4]. The plan keeps one width in steady state, so the policy steps it now and then
-(SpeculationPolicy: every width_every-th round of two rows or more, the widest rows one draft up
-or down in turn).
-
-A drafting round's fixed price. A served round's drafter call is not the profile's forwards
-times a ratio: the first forward after a round shares the cores with that round's streaming (the
-ingress serializes every row's chunk, the proxy relays it) and carries the catch-up of the tokens
-kept. Through Serve at 8 streamed users on the 2-core CPU a drafting call of 1, 2 and 4 forwards
-took 54, 80 and 127 ms: 25 ms a forward, as profiled, plus ~30 ms a round, where one process
-paid none. One ratio for all of it overcharges long drafts and undercharges short ones. So the
-same pairs of rounds, where their drafting calls ran different numbers of forwards, read the
-drafter's slope: the difference of the two calls over the difference the profile predicts (over
-the pair's host speed, its verifications measured / predicted); the median of the last `window`
-pairs, clipped to [1/4, 4]. The rest of each drafting round (in the profile's seconds, as the
-ratio reads them) is the round's fixed price, the median over the window. Until pairs come (no
-batch table, no steps) the one ratio prices the drafter.
-
+UnderLoad: rounds of two rows or more. The profile is timed on an idle host, each part alone; under
+load a served drafter shares the cores with the streaming of the round before and catches up the
+tokens it accepted, so it costs more than it timed relative to the target (docs/journal.md,
+"k auto under load"). Three things are read from live rounds, each the median of a window:
+- the drafter against the target of the same round: (drafting seconds / predicted) / (verification
+  seconds / predicted), so a drift of the host's speed slows both halves alike and cancels;
+- the price of width: with a batch table the target is base(B) + beta x (table(B, T) - base(B)),
+  base(B) the one-token forward of B rows; beta comes from pairs of consecutive rounds of the same
+  row count and different widths (seconds apart, the host's speed is the same), clipped to
+  [1/4, 4]. The plan keeps one width in steady state, so the policy steps it now and then;
+- a drafting round's fixed price: where a pair's drafting calls ran different numbers of forwards,
+  their difference over the difference the profile predicts is the drafter's slope, and the rest of
+  each drafting round its fixed price (the first forward after a round shares the cores with that
+  round's streaming). Until pairs come, one ratio prices the drafter.
 A row alone keeps the frozen profile (SpeculationPolicy.cost_for), so a greedy request sent alone
 gets the same plan every time; under load a batch's text already depends on its other rows.
 """
@@ -51,7 +34,130 @@ import statistics
 from collections import deque
 from dataclasses import dataclass, replace
 
-from .round_cost import RoundCostModel
+import numpy as np
+
+from .round_cost import BatchVerify, CostProfile, RoundCostModel
+
+Point = int | tuple[int, int]  # tokens in the target forward, or its shape (rows, tokens per row)
+
+
+class CostCheck:
+    def __init__(self, tolerance: float = 1.5, min_rounds: int = 3, window: int = 9):
+        self.tolerance, self.min_rounds, self.window = tolerance, min_rounds, window
+        self.corrections = 0  # profiles this check has replaced
+        self.reset()
+
+    def reset(self):
+        """Forget the rounds seen (a new profile is installed)."""
+        self.verify: dict[Point, deque[float]] = {}  # measured seconds by operating point
+        self.draft: deque[tuple[float, float]] = deque(maxlen=self.window)  # (measured, predicted)
+
+    def observe(
+        self, cost: RoundCostModel, point: Point, verify_s: float, forwards: int, row_forwards: float, draft_s: float
+    ) -> CostProfile | None:
+        """One measured round; returns a corrected profile when the shape is wrong, else None.
+        point: the target forward's tokens, or its (rows, tokens per row) (point_of)."""
+        point = tuple(int(x) for x in point) if isinstance(point, tuple) else int(point)
+        self.verify.setdefault(point, deque(maxlen=self.window)).append(float(verify_s))
+        if forwards > 0:
+            self.draft.append((float(draft_s), float(cost.draft_s(forwards, row_forwards))))
+        ratios = self._ratios(cost)
+        if len(ratios) < 2:
+            return None
+        values = list(ratios.values())
+        if max(values) <= self.tolerance * min(values):
+            return None
+        self.corrections += 1
+        return corrected(cost, self._measured(), ratios.get("draft"))
+
+    def _measured(self) -> dict[Point, float]:
+        """Median measured seconds by operating point, where enough rounds were seen."""
+        return {n: statistics.median(s) for n, s in self.verify.items() if len(s) >= self.min_rounds}
+
+    def _ratios(self, cost: RoundCostModel) -> dict:
+        out = {n: t / max(predicted(cost, n), 1e-12) for n, t in self._measured().items()}
+        if len(self.draft) >= self.min_rounds:
+            out["draft"] = statistics.median(m / max(p, 1e-12) for m, p in self.draft)
+        return out
+
+
+def point_of(cost: RoundCostModel, drafted: list[int]) -> Point:
+    """The operating point of a round whose rows drafted these many: (rows, widest + 1) where the
+    model prices the padded shape, else the tokens verified."""
+    if cost.batched:
+        return len(drafted), max(drafted, default=0) + 1
+    return sum(n + 1 for n in drafted)
+
+
+def predicted(cost: RoundCostModel, point: Point) -> float:
+    """The model's seconds of the target forward at an operating point."""
+    return cost.verify_width_s(*point) if isinstance(point, tuple) else cost.verify_s(point)
+
+
+def corrected(cost: RoundCostModel, measured: dict[Point, float], draft_ratio: float | None) -> CostProfile:
+    if cost.batched:
+        return corrected_table(cost, measured, draft_ratio)
+    return corrected_curve(cost, {int(n): s for n, s in measured.items() if not isinstance(n, tuple)}, draft_ratio)
+
+
+def corrected_table(
+    cost: RoundCostModel, measured: dict[tuple[int, int], float], draft_ratio: float | None
+) -> CostProfile:
+    """A batch table's profile with the measured seconds at the shapes seen that are its cells,
+    every other cell scaled by the ratio measured / predicted of the nearest shape seen (in
+    log2 rows and tokens per row), the token curve by their mean ratio, and the draft
+    coefficients by their measured ratio (without one, by that mean: the machine's speed)."""
+    p, table = cost.profile, cost.profile.verify_batch
+    seen = np.log2(np.array(list(measured), dtype=float))  # [S, 2]
+    ratio = np.array([s / max(predicted(cost, n), 1e-12) for n, s in measured.items()])  # [S]
+    seconds = []
+    for b in table.rows:
+        line = []
+        for t in table.tokens_per_row:
+            nearest = int(np.argmin(((seen - np.log2([b, t])) ** 2).sum(-1)))
+            line.append(measured.get((b, t), cost.verify_width_s(b, t) * ratio[nearest]))
+        seconds.append(line)
+    mean = float(np.exp(np.log(np.maximum(ratio, 1e-12)).mean()))
+    scale = draft_ratio if draft_ratio is not None else mean
+    e, c, d = (float(x) * scale for x in cost.draft_coefficients)
+    return CostProfile(
+        list(p.verify_tokens),
+        [float(x) * mean for x in p.verify_seconds],
+        e,
+        c,
+        d,
+        cost.overhead_s,
+        "corrected from measured rounds",
+        {},
+        BatchVerify(list(table.rows), list(table.tokens_per_row), seconds),
+    )
+
+
+def corrected_curve(cost: RoundCostModel, measured: dict[int, float], draft_ratio: float | None) -> CostProfile:
+    """The profile with the measured verify seconds at the token counts seen, the model's own
+    knots outside that range scaled by the ratio at the nearest end, and the draft coefficients
+    scaled by their measured ratio (without one, by the target's mean ratio: the machine's speed)."""
+    seen = np.array(sorted(measured), dtype=float)  # [S]
+    seconds = np.array([measured[int(n)] for n in seen])  # [S]
+    ratio = seconds / np.maximum(cost.verify_s(seen), 1e-12)  # [S]
+    below = cost.knots[cost.knots < seen[0]]
+    above = cost.knots[cost.knots > seen[-1]]
+    tokens = np.concatenate([below, seen, above])
+    values = np.concatenate([cost.verify_s(below) * ratio[0], seconds, cost.verify_s(above) * ratio[-1]])
+    if len(tokens) < 2:  # one operating point and no knot beside it: keep the model's slope there
+        tokens = np.array([seen[0], seen[0] + 1.0])
+        values = np.array([seconds[0], seconds[0] + (cost.verify_s(seen[0] + 1) - cost.verify_s(seen[0])) * ratio[0]])
+    scale = draft_ratio if draft_ratio is not None else float(np.exp(np.log(np.maximum(ratio, 1e-12)).mean()))
+    e, c, d = (float(x) * scale for x in cost.draft_coefficients)
+    return CostProfile(
+        tokens.tolist(),
+        np.maximum.accumulate(values).tolist(),
+        e,
+        c,
+        d,
+        cost.overhead_s,
+        "corrected from measured rounds",
+    )
 
 
 class UnderLoad:

@@ -31,7 +31,13 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from deployments.row_history import RowHistory
+from deployments.parts.row_history import RowHistory
+from deployments.profiles.app_args import (
+    DEFAULT_RANK_CALL_TIMEOUT_S,
+    DEFAULT_RANK_PING_TIMEOUT_S,
+    DEFAULT_TP_STARTUP_TIMEOUT_S,
+)
+from deployments.routing.replica_pool import PinnedRouter
 from fly_serve.build import load_scorer
 from fly_serve.config import EngineConfig
 from fly_serve.contracts import Drafts, Row, Verdict
@@ -39,8 +45,6 @@ from fly_serve.loading.loading import set_threads
 from fly_serve.runtime import tp
 from fly_serve.runtime.devices import device_for
 
-from .app_args import DEFAULT_RANK_CALL_TIMEOUT_S, DEFAULT_RANK_PING_TIMEOUT_S, DEFAULT_TP_STARTUP_TIMEOUT_S
-from .replica_pool import PinnedRouter
 from .threads import on_torch_thread, on_torch_thread_async, serve_at_priority, threads_from_ray
 
 log = logging.getLogger("ray.serve")

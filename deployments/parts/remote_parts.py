@@ -14,11 +14,10 @@ import logging
 import time
 from collections import Counter, OrderedDict
 
-from deployments.row_history import RowSender, rows_unknown
+from deployments.parts.row_history import RowSender, rows_unknown
+from deployments.profiles.app_args import DEFAULT_CALL_TIMEOUT_S
+from deployments.routing.replica_pool import group_of, group_tag, pick_group, prefix_affinity
 from fly_serve.contracts import Drafts, Row, Verdict
-
-from .app_args import DEFAULT_CALL_TIMEOUT_S
-from .replica_pool import group_of, group_tag, pick_group, prefix_affinity
 
 log = logging.getLogger("fly_serve.remote_parts")
 

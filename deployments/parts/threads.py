@@ -57,8 +57,7 @@ def serve_at_priority(nice: int | None) -> int | None:
 # spinning at its barriers (it waits about a hundred spins instead of ~300,000, then sleeps on a
 # futex), so every one of a forward's hundreds of parallel regions pays a wake-up. A replica that
 # loaded its model on Serve's init thread and ran each call on whichever `asyncio.to_thread` worker
-# was free held 2-3 teams on 2 cores: the second thread of a team sat at 46-73% busy instead of
-# 100%; in one process, a second idle team slowed plain decoding to 0.72-0.84x (docs/journal.md,
+# was free held several teams, and a second idle team slowed plain decoding (docs/journal.md,
 # "One OpenMP team"). So a serving process loads, verifies, drafts and probes on one thread; the ingress's is
 # its engine loop (engine_loop.py).
 _local = threading.local()

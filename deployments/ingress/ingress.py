@@ -31,19 +31,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from starlette.requests import ClientDisconnect
 
-from fly_serve.build import assemble_engine, load_drafter, load_scorer
-from fly_serve.engine.params import ParamError
-from fly_serve.loading.loading import load_tokenizer, set_threads
-from fly_serve.runtime.devices import device_for
-
-from .admission import Slots, serve_limits
-from .app_args import DEFAULT_MAX_WAITING, AppArgs
-from .calibration import calibrate_served
-from .engine_loop import EngineLoop, Update
-from .errors import RETRY_AFTER_S, ApiError, ErrorAnswers, generation_failed, log, unavailable
-from .health import Part, Prober
-from .middleware import Guard, RequestMiddleware, resolve_api_key
-from .openai_api import (
+from deployments.http.admission import Slots, serve_limits
+from deployments.http.errors import RETRY_AFTER_S, ApiError, ErrorAnswers, generation_failed, log, unavailable
+from deployments.http.middleware import Guard, RequestMiddleware, resolve_api_key
+from deployments.http.openai_api import (
     BodyError,
     ChatRequest,
     CompletionRequest,
@@ -52,14 +43,23 @@ from .openai_api import (
     error_body,
     parse_body,
 )
-from .prometheus import ServingMetrics
-from .remote_parts import RemoteDrafter, RemoteScorer
-from .replica_pool import LiveReplicas, group_tag, unit_rank
-from .request_ids import Ids
+from deployments.http.request_ids import Ids
+from deployments.parts.remote_parts import RemoteDrafter, RemoteScorer
+from deployments.parts.threads import serve_at_priority, threads_from_ray
+from deployments.profiles.app_args import DEFAULT_MAX_WAITING, AppArgs
+from deployments.routing.replica_pool import LiveReplicas, group_tag, unit_rank
+from deployments.routing.unit_router import STATUS
+from fly_serve.build import assemble_engine, load_drafter, load_scorer
+from fly_serve.engine.params import ParamError
+from fly_serve.loading.loading import load_tokenizer, set_threads
+from fly_serve.runtime.devices import device_for
+
+from .calibration import calibrate_served
+from .engine_loop import EngineLoop, Update
+from .health import Part, Prober
+from .metrics import ServingMetrics
 from .sse import events
-from .threads import serve_at_priority, threads_from_ray
 from .tokenization import PromptEncoder
-from .unit_router import STATUS
 
 api = FastAPI(title="fly-serve")
 api.add_middleware(RequestMiddleware)
@@ -70,7 +70,7 @@ HEALTH_POLL_S = 2.0  # a handler waiting on the engine loop checks this often th
 READY_WAIT_S = 5.0  # a request arriving while the parts start (or are probed) waits this long before its 503
 DRAIN_POLL_S = 0.1
 STOP_WAIT_S = 5.0  # at shutdown, for the engine thread to end what is left
-CALIBRATION_TIMEOUT_S = 1800.0  # k auto's measurement at start (~33 s on a 2-core CPU; seconds on a GPU)
+CALIBRATION_TIMEOUT_S = 1800.0  # k auto's measurement at start (tens of seconds on a small CPU)
 
 
 def openapi_schema() -> dict:

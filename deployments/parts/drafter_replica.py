@@ -24,15 +24,14 @@ import torch
 from ray import serve
 from ray.serve import metrics
 
-from deployments.row_history import RowHistory
+from deployments.parts.row_history import RowHistory
+from deployments.routing.replica_pool import BUSY, BusyPolicy, PinnedRouter
 from fly_serve.build import grammars_for, load_drafter
 from fly_serve.config import EngineConfig
 from fly_serve.contracts import Drafts, Row
 from fly_serve.loading.loading import set_threads
 from fly_serve.runtime.devices import device_for
 
-from .prometheus import inc
-from .replica_pool import BUSY, BusyPolicy, PinnedRouter
 from .threads import on_torch_thread, on_torch_thread_async, serve_at_priority, threads_from_ray
 
 PROBE_TIMEOUT_S = 20.0  # the calls before it done (no call stuck) and one token through the model
@@ -110,8 +109,9 @@ class DrafterDeployment:
                 self.busy_s += time.monotonic() - t0
                 self.rows += len(rows)
                 self.last_done = time.monotonic()
-            inc(self.hits, self.drafter.hits - hits)
-            inc(self.misses, self.drafter.misses - misses)
+            for counter, n in ((self.hits, self.drafter.hits - hits), (self.misses, self.drafter.misses - misses)):
+                if n > 0:  # Ray counters reject 0
+                    counter.inc(n)
             self.hit_rate.set(self.cache_report()["hit_rate"])
             return out
 
