@@ -63,7 +63,7 @@ def generate(args) -> None:
     params = params_from(args)
     engine = build_engine(
         args.target,
-        args.drafter if params.mode_spec.drafter == "model" else None,
+        args.drafter if params.mode_spec.source == "model" else None,
         dtype=args.dtype,
         drafter_precision=args.drafter_precision,
         drafter_head_cut=args.drafter_head_cut,

@@ -36,7 +36,7 @@ from fly_serve.k_auto.round_cost import MODEL, CostProfile, RoundCostModel
 
 # Acceptance prompts: the kinds of text whose acceptance differs most (code repeats itself and
 # the drafter guesses it well; prose and math less so).
-CALIBRATION_PROMPTS = (
+ACCEPTANCE_PROMPTS = (
     "Write a Python function `merge_intervals(intervals)` that merges overlapping intervals given as a list of "
     "[start, end] pairs and returns them sorted. Include a docstring and a few doctest examples.",
     "Explain to a new engineer, in a few plain paragraphs, what a race condition is, how one shows up in a web "
@@ -115,7 +115,7 @@ class Acceptance:
 def acceptance_prompts(tokenizer, n: int) -> list[list[int]]:
     from fly_serve.engine.prompts import chat_prompt
 
-    return [chat_prompt(tokenizer, CALIBRATION_PROMPTS[i % len(CALIBRATION_PROMPTS)]) for i in range(n)]
+    return [chat_prompt(tokenizer, ACCEPTANCE_PROMPTS[i % len(ACCEPTANCE_PROMPTS)]) for i in range(n)]
 
 
 def measure_acceptance(engine, prompts: list[list[int]], mode: str, k: int, max_tokens: int, bar) -> Acceptance:

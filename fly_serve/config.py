@@ -1,5 +1,5 @@
 """The one configuration of an engine (vLLM's habit: one config object handed down). The
-in-process factory (`build.build_engine`), the Serve app (`deployments.app.AppArgs.engine_config`)
+in-process factory (`build.build_engine`), the Serve app (`deployments.profiles.app_args.AppArgs.engine_config`)
 and the replicas that load a part read the same fields, so a knob is named and defaulted once."""
 
 from dataclasses import dataclass, field

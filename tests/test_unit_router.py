@@ -1,4 +1,4 @@
-"""The choice of serving unit for an HTTP request (deployments/unit_router.route): a session id
+"""The choice of serving unit for an HTTP request (deployments/routing/unit_router.route): a session id
 keeps meeting one unit within a bound on load, units that are not ready are passed over, units
 coming and going move only their share of sessions; without a session id, two random units.
 Through real Serve replicas: test_serve_units.py."""

@@ -52,7 +52,7 @@ def failure_reason(status: int) -> str:
 
 class ErrorAnswers:
     """Turns what a request raised into the ApiError its client is told, counting it once.
-    `metrics`: a prometheus.ServingMetrics (None until the ingress has built one)."""
+    `metrics`: a ServingMetrics (ingress/metrics.py; None until the ingress has built one)."""
 
     def __init__(self, metrics=None):
         self.metrics = metrics

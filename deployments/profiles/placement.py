@@ -150,7 +150,7 @@ def _fitting_node_types(per_bundle: list[dict], strategy: str | None, cluster: d
 
 
 def render_placement(config_path, cluster_path=None) -> dict:
-    """What a Serve config YAML (deployments/*.yaml, import_path deployments.app:build) places,
+    """What a Serve config YAML (deployments/profiles/*.yaml, import_path deployments.app:build) places,
     from the YAML and its app args alone, starting nothing. Per deployment: replicas (min/max),
     actor_options, bundles + strategy (those of the YAML; for the target with tp_size > 1 and no
     bundles in the YAML, those that the builder computes with tp_bundles), builder_bundles (the

@@ -1,0 +1,38 @@
+"""`fly-serve generate` as a user runs it: the installed command in a process of its own, on the
+tiny pair. Its streamed text is the in-process engine's, its stats line names the mode and why it
+stopped, and a bad knob is an error naming the field, not a traceback."""
+
+import json
+import shutil
+import subprocess
+
+import pytest
+
+from fly_serve.build import build_engine
+
+PAIR = ["--target", "tiny:0", "--drafter", "tiny:1", "--drafter-precision", "fp32"]
+PROMPT = "def add(a, b):"
+
+
+def fly_serve(*args: str) -> subprocess.CompletedProcess:
+    exe = shutil.which("fly-serve")
+    assert exe, "the fly-serve command is not installed (pip install -e .)"
+    return subprocess.run([exe, *args], capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("mode", ["fly", "ar"])
+def test_generate_prints_the_engines_text_and_its_stats(mode):
+    done = fly_serve("generate", PROMPT, "--raw", "--mode", mode, "--k", "4", "--max-tokens", "12", *PAIR)
+    assert done.returncode == 0, done.stderr
+    engine = build_engine("tiny:0", "tiny:1" if mode == "fly" else None, drafter_precision="fp32", max_batch=1)
+    [want] = engine.generate([PROMPT], [dict(mode=mode, k=4, max_tokens=12)])
+    assert done.stdout == want.text + "\n"
+    stats = json.loads(done.stderr.strip().splitlines()[-1])
+    assert stats["mode"] == mode and stats["finish_reason"] == want.finish_reason
+    assert stats["emitted"] == len(want.generated)
+
+
+def test_generate_names_a_bad_knob():
+    done = fly_serve("generate", PROMPT, "--raw", "--mode", "fly", "--theta", "7", *PAIR)
+    assert done.returncode != 0
+    assert "error:" in done.stderr and "theta" in done.stderr and "Traceback" not in done.stderr
