@@ -1028,6 +1028,27 @@ def test_a_row_that_the_drafter_lags_far_behind_decodes_plainly_on_a_frozen_prof
     assert far > near  # the catch-up is in the probe's price
 
 
+def test_a_lookup_row_is_probed_again_whatever_the_drafter_lag_it_reports():
+    """The drafter's catch-up is a model row's price: a prompt-lookup row carries no drafter, so
+    the lag the engine reports for it (its whole sequence: the drafter never saw it) must not put
+    its probes out of reach on a frozen profile where the drafter is dear. Its probes come at the
+    doubling gaps, as with no lag at all."""
+
+    def probes(lag_of) -> list[int]:
+        policy = SpeculationPolicy.from_profile(flat_profile(0.1, per_token=0.02, per_forward=0.05))
+        policy.frozen = True
+        at = []
+        for i in range(200):
+            ks = policy.choose([RowInfo("r", 8, source=PLD, acceptance=0.0, drafter_lag=lag_of(i))])
+            if ks[0]:
+                at.append(i)
+            policy.record(RoundTrace(["r"], ks, [0], kinds=[PLD], draft_s=0.0, verify_s=0.1))
+        return at
+
+    far, none = probes(lambda i: 90 + i), probes(lambda i: 0)
+    assert far == none and len(far) >= 3  # probe_every, then doubled gaps up to max_probe_every
+
+
 def test_free_drafts_that_failed_once_are_tried_again_after_plain_rounds():
     """A model row whose drafter does not pay and whose prompt lookup failed in its first round:
     the lookup's estimate ages back toward the prior while the row decodes plainly, so the lookup

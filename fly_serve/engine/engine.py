@@ -417,12 +417,16 @@ class Engine:
             made.append((b, Ahead(len(rows[b].tokens), guessed, bet_rows[i].k, got.tokens[i], got.q[i], forwards)))
         return made
 
+    def _room(self, req: Request, n_new: int = 0) -> int:
+        """The most drafts a round may give the request once n_new more tokens are committed: a
+        round emits at most k + 1, never past max_tokens or the context."""
+        p = req.params
+        return min(p.max_tokens - len(req.generated), self.max_model_len - len(req.tokens)) - n_new - 1
+
     def _next_k(self, req: Request, k_now: int, n_new: int) -> int:
         """The k a row gets next round if this one commits n_new tokens (as _row computes it; a k
         "auto" row keeps this round's)."""
-        p = req.params
-        room = min(p.max_tokens - len(req.generated), self.max_model_len - len(req.tokens)) - n_new - 1
-        return max(0, min(k_now if p.auto_k else p.k_cap, room))
+        return max(0, min(k_now if req.params.auto_k else req.params.k_cap, self._room(req, n_new)))
 
     def _choose_ks(self, batch: list[Request], rows: list[Row], held: list[Ahead | None]) -> dict[int, list[int]]:
         """k "auto" rows get this round's k from the policy, which weighs every row's expected
@@ -470,9 +474,7 @@ class Engine:
 
     def _row(self, req: Request) -> Row:
         p = req.params
-        # Never draft past what the request may still emit: a round emits at most k + 1.
-        room = min(p.max_tokens - len(req.generated), self.max_model_len - len(req.tokens)) - 1
-        k = 0 if p.mode_spec.source is None else max(0, min(p.k_cap, room))
+        k = 0 if p.mode_spec.source is None else max(0, min(p.k_cap, self._room(req)))
         entropy = p.entropy if p.mode_spec.loose and p.theta < 1 else None
         rho = float(p.rho) if entropy else 0.0
         grammar = RowGrammar(req.matcher.text, req.n_prompt) if req.matcher is not None else None

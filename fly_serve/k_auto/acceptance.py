@@ -90,6 +90,13 @@ class AcceptanceTracker:
             return 1.0
         return max(1.0, (ev.drafted + 1.0) / (ev.forwards + 1.0))
 
+    def age(self, key: str):
+        """Age a known key's evidence by one round without observing it (its row drafted from
+        another source this round); an unknown key stays unknown."""
+        ev = self.rows.get(key)
+        if ev is not None:
+            _age(ev, self.decay)
+
     def forget(self, key: str):
         self.rows.pop(key, None)
 

@@ -2,7 +2,7 @@
 frozen (round_cost.py) so that a plan never chases wall-clock noise; what it measures is read here,
 in two ways, and only where a reading changes the plan.
 
-CostCheck: the profile's shape, at batch 1. A profile measured on another machine, or the default
+CostCheck: the profile's shape. A profile measured on another machine, or the default
 shape of an uncalibrated engine, would stay wrong for the engine's life: a model that overprices
 drafts plans k = 0 and never sees a round that would show otherwise. The policy's probes run
 drafting rounds now and then; every round's measured seconds are compared with the model's

@@ -202,6 +202,8 @@ class RoundCostModel:
         self.overhead_s = max(float(p.overhead_s), 0.0)
         self._batch = _batch_table(p.verify_batch) if p.verify_batch is not None else None
         self._by_rows: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # B -> the curve over tokens per row
+        step = self.verify_s(1)  # a one-row drafter forward against a one-token target forward (catch_up_s)
+        self._drafter_share = float(self.draft_s(1, 1)) / step if step > 0 else 0.0
 
     @property
     def batched(self) -> bool:
@@ -247,10 +249,7 @@ class RoundCostModel:
         since it last drafted, or a prompt it never drafted for): the target's forward over as many
         tokens, scaled by what a one-row drafter forward costs against a one-token target forward
         (the same kernels on fewer weights). The profile times no drafter prefill of its own."""
-        if tokens <= 0:
-            return 0.0
-        step = self.verify_s(1)
-        return self.verify_s(tokens) * float(self.draft_s(1, 1)) / step if step > 0 else 0.0
+        return self.verify_s(tokens) * self._drafter_share if tokens > 0 else 0.0
 
     def round_s(self, ks, rows, overlap: bool = False) -> float:
         """Predicted seconds of a round in which row b drafts ks[b] (rows: allocator.RowInfo);

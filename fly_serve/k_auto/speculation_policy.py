@@ -49,7 +49,7 @@ forwards, about twice an ar round, for one row's measurement.)
 
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .acceptance import AcceptanceTracker
 from .allocator import Plan, RowInfo, min_confidence_for, plan
@@ -165,15 +165,10 @@ class SpeculationPolicy:
         its own earlier rounds."""
         tracker = self.tracker
         rows = [
-            RowInfo(
-                r.key,
-                r.limit,
-                r.source,
-                tracker.estimate(r.key) if r.acceptance is None else r.acceptance,
-                r.tokens_per_forward or tracker.tokens_per_forward(r.key),
-                r.fixed,
-                r.free_k,
-                r.drafter_lag,
+            replace(
+                r,
+                acceptance=tracker.estimate(r.key) if r.acceptance is None else r.acceptance,
+                tokens_per_forward=r.tokens_per_forward or tracker.tokens_per_forward(r.key),
             )
             for r in rows
         ]
@@ -242,7 +237,11 @@ class SpeculationPolicy:
                     self._gap.pop(r.key, None)
             else:
                 idle[r.key] = idle.get(r.key, 0) + 1
-        due = [b for b, r in enumerate(rows) if idle.get(r.key, 0) > self.probe_every and idle[r.key] > self._gap_of(r)]
+        due = [  # the stored gap first: the budget's price is read only for a row past it
+            b
+            for b, r in enumerate(rows)
+            if idle.get(r.key, 0) > self._gap.get(r.key, self.probe_every) and idle[r.key] > self._gap_of(r)
+        ]
         due.sort(key=lambda b: -idle[rows[b].key])  # stable: batch order among equals
         self._batch_quiet += batch
         if batch and width == 0 and self._batch_quiet <= self.probe_every:
@@ -253,22 +252,20 @@ class SpeculationPolicy:
         for b in due:
             ks[b], idle[rows[b].key] = min(k_probe, self.probe_k, rows[b].limit), 0
             if self.frozen:  # else the probes feed the cost check too, which needs them regular
+                # the drafter has caught up once it probes: the catch-up is priced anew (_gap_of)
                 doubled = min(2 * self._gap.get(rows[b].key, self.probe_every), self.max_probe_every)
-                self._gap[rows[b].key] = max(doubled, self._budget_gap(rows[b], ks[b]))
+                self._gap[rows[b].key] = max(doubled, self._budget_gap(replace(rows[b], drafter_lag=0), ks[b]))
         if batch and width == 0 and due:
             self._batch_quiet = 0
         self.probes += len(due)
         return ks
 
     def _gap_of(self, row: RowInfo) -> int:
-        """Rounds a row waits at k = 0 before its next probe; the first probe too waits for its
-        budget where the profile is frozen (its drafter has all the row's tokens to prefill)."""
-        gap = self._gap.get(row.key)
-        if gap is not None:
-            return gap
-        if not self.frozen or row.source != MODEL:
-            return self.probe_every
-        return max(self.probe_every, self._budget_gap(row, min(self.probe_k, row.limit)))
+        """Rounds a row waits at k = 0 before its next probe: probe_every, doubled after each
+        probe that left it at k = 0, and, where the profile is frozen, at least the probe's budget
+        at the row's drafter lag now (the first probe of a model row has its prompt to prefill)."""
+        gap = self._gap.get(row.key, self.probe_every)
+        return max(gap, self._budget_gap(row, min(self.probe_k, row.limit))) if self.frozen else gap
 
     def _budget_gap(self, row: RowInfo, k: int) -> int:
         """Rounds between probes that keep a k-draft probe's extra seconds (over a plain round,
@@ -278,7 +275,8 @@ class SpeculationPolicy:
         next probe out of reach: the row decodes plainly, with its free drafts."""
         cost = self.cost_for(1)
         plain = cost.round_s([0], [row])
-        extra = cost.round_s([k], [row]) - plain + cost.catch_up_s(row.drafter_lag)
+        lag = row.drafter_lag if row.source == MODEL else 0  # model-free sources have nothing to catch up
+        extra = cost.round_s([k], [row]) - plain + cost.catch_up_s(lag)
         return math.ceil(extra / (self.probe_budget * plain)) if plain > 0 and self.probe_budget > 0 else 0
 
     def min_confidence(self, key: str | None = None) -> float:
@@ -297,9 +295,7 @@ class SpeculationPolicy:
         now = [not a for a in t.ahead] if t.ahead is not None else [True] * len(t.keys)
         self.tracker.observe_round(t.keys, t.drafted, t.kept, [f if m else None for f, m in zip(per_row, model)])
         for key in t.keys:  # a model row's other source ages too, so that one bad round is not forever
-            other = key[: -len(FREE)] if key.endswith(FREE) else free_key(key)
-            if other in self.tracker.rows:
-                self.tracker.observe(other, 0, 0)
+            self.tracker.age(key[: -len(FREE)] if key.endswith(FREE) else free_key(key))
         rows_in_forwards = sum(
             (f if f is not None else min(t.forwards, math.ceil(n / self.tracker.tokens_per_forward(key) - 1e-9)))
             for key, n, f, m, here in zip(t.keys, t.drafted, per_row, model, now)

@@ -446,7 +446,8 @@ class KVCache:
         """Record that `tokens` were written after the sequence's valid prefix; with the prefix
         cache, register the blocks that are now full."""
         r = self.seqs[seq]
-        r.tokens = toks = r.tokens + list(tokens)
+        r.tokens.extend(tokens)  # in place: a round adds a few tokens to a long sequence
+        toks = r.tokens
         assert len(toks) <= len(r.blocks) * self.block_size
         if not self.prefix_cache:
             return
