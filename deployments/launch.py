@@ -146,10 +146,18 @@ def deploy_config(config) -> None:
     client.deploy_apps(config, _blocking=False)
 
 
+def prepare_environment() -> None:
+    """What every Ray process this one starts inherits: no auth on a local Ray (an operator's
+    value wins), and this checkout on PYTHONPATH, so the replicas import its `deployments` and
+    `fly_serve`."""
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     stop = StopSignals()  # before Ray starts: a SIGTERM during start-up also stops cleanly
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    prepare_environment()
     # Ray starts its workers at nice 15 to keep its own daemons responsive on a shared node; here
     # the workers are the service, and on a CPU node a niced target replica loses a core's share
     # to every waking daemon (its OMP threads then wait for each other). An operator's value wins.
@@ -160,8 +168,6 @@ def main(argv: list[str] | None = None) -> int:
     # controller reacts (scaling, replica states) up to 0.5 s later. An operator's value wins.
     os.environ.setdefault("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "0.5")
     os.environ.setdefault("RAY_SERVE_METRICS_EXPORT_INTERVAL_MS", "1000")
-    # replicas import `deployments` and `fly_serve` from this checkout
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     import ray
     from ray import serve
 

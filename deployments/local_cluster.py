@@ -19,14 +19,13 @@ import argparse
 import os
 import signal
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
-from .launch import deploy_config, wait_ready
+from .launch import StopSignals, deploy_config, prepare_environment, wait_ready
 
 ROOT = Path(__file__).resolve().parent.parent
 NODE_TYPES = ROOT / "cluster-local.yaml"
@@ -95,13 +94,6 @@ class Placed:
     node_type: str | None  # None: a node this cluster did not start
 
 
-def prepare_environment() -> None:
-    """Before the first node starts: every raylet, and every worker it starts, inherits this
-    process's environment, so the replicas import this checkout."""
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-
-
 class LocalCluster:
     def __init__(self, path: Path = NODE_TYPES, one_node: bool = False):
         self.head_type, self.types = node_types(path)
@@ -116,7 +108,7 @@ class LocalCluster:
         Not ray.cluster_utils.Cluster's head: a driver connecting to it by address has 127.0.0.1
         replaced with the machine's address (services.resolve_ip_for_localhost), where nothing
         listens; its worker nodes are started here the way it starts them."""
-        prepare_environment()
+        prepare_environment()  # before the first node: every raylet and its workers inherit it
         import ray
 
         workers = [t for name, t in self.types.items() if name != self.head_type for _ in range(t.min_workers)]
@@ -257,9 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--args", default="{}", help="JSON: the profile's args overridden")
     p.add_argument("--deployments", default="{}", help='JSON: {"FlyDrafter": {...}} overrides by deployment')
     a = p.parse_args(argv)
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    stop = StopSignals()
     cluster = LocalCluster(Path(a.nodes), one_node=a.one_node)
     try:
         cluster.start()
@@ -267,16 +257,15 @@ def main(argv: list[str] | None = None) -> int:
             name, n = spec.split("=")
             for _ in range(int(n)):
                 cluster.add(name)
-        for sig in (signal.SIGTERM, signal.SIGINT):  # ray.init replaces the SIGTERM handler
-            signal.signal(sig, lambda *_: stop.set())
+        stop.install()  # ray.init replaces the SIGTERM handler
         url = cluster.deploy(a.profile, a.port, a.tiny, yaml.safe_load(a.args), yaml.safe_load(a.deployments))
         nodes = ", ".join(f"{n.type} {n.node_id[:8]} (raylet {n.raylet.pid})" for n in cluster.nodes)
         print(f"local-cluster: nodes {nodes}", flush=True)
-        if not wait_ready(url, stop, READY_TIMEOUT_S):
+        if not wait_ready(url, stop.requested, READY_TIMEOUT_S):
             print("local-cluster: the application did not become ready", file=sys.stderr, flush=True)
             return 1
         print(f"local-cluster: ready at {url}", flush=True)
-        stop.wait()
+        stop.requested.wait()
         return 0
     finally:
         cluster.shutdown()

@@ -16,84 +16,20 @@ fraction each replica should be busy (the profile's 0.6; a tiny drafter is never
 
 import argparse
 import json
-import os
-import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 from fly_serve.runtime.tp import free_port
 
 from .procs import replica_pids
-from .waits import until
+from .server import ClusterProcess
+from .waits import Watch, until
 
 ROOT = Path(__file__).resolve().parent.parent
 START_TIMEOUT_S = 900.0
 SAMPLE_S = 0.5
-
-
-class ClusterProcess:
-    """`python -m deployments.local_cluster` in a session of its own (its raylets and their
-    workers in its process group), its output collected."""
-
-    def __init__(self, port: int, tiny: bool, drafter_nodes: int, pool: dict):
-        argv = [sys.executable, "-m", "deployments.local_cluster", "--port", str(port)]
-        argv += ["--tiny"] * tiny + ["--deployments", json.dumps({"FlyDrafter": {"autoscaling_config": pool}})]
-        argv += ["--add", f"drafter_1gpu={drafter_nodes - 1}"] if drafter_nodes > 1 else []
-        env = os.environ | {"RAY_AUTH_MODE": "disabled"}
-        self.proc = subprocess.Popen(
-            argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-        )
-        self.url, self.lines = f"http://127.0.0.1:{port}", []
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.append(line.rstrip())
-
-    def ready(self, timeout_s: float) -> bool:
-        def seen():
-            if any(line.startswith("local-cluster: ready") for line in self.lines):
-                return True
-            return False if self.proc.poll() is not None else None
-
-        return bool(until(seen, timeout_s))
-
-    def stop(self) -> None:
-        """SIGTERM (the launcher stops every node), then its whole group if it lingers."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                pass
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait(timeout=30)
-
-
-class ReplicaCounter:
-    """Drafter replica processes under the cluster, every SAMPLE_S, from its start."""
-
-    def __init__(self, root_pid: int, t0: float):
-        self.root_pid, self.t0 = root_pid, t0
-        self.samples: list[tuple[float, int]] = []
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        while not self.stop.is_set():
-            self.samples.append((round(time.monotonic() - self.t0, 2), len(replica_pids(self.root_pid, "FlyDrafter"))))
-            self.stop.wait(SAMPLE_S)
-
-    def close(self) -> None:
-        self.stop.set()
-        self.thread.join(timeout=10)
 
 
 def sweep_level(url: str, users: int, a, out: Path) -> dict:
@@ -154,25 +90,29 @@ def main(argv: list[str] | None = None) -> int:
         },
     }
     t0 = time.monotonic()
-    cluster = ClusterProcess(free_port(), a.tiny, a.drafter_nodes, pool)
+    args = ["--tiny"] * a.tiny + ["--deployments", json.dumps({"FlyDrafter": {"autoscaling_config": pool}})]
+    args += ["--add", f"drafter_1gpu={a.drafter_nodes - 1}"] if a.drafter_nodes > 1 else []
+    cluster = ClusterProcess(free_port(), args)
     counter = None
     summary: dict = {"tiny": a.tiny, "method": a.method, "drafter_nodes": a.drafter_nodes, "pool": pool, "levels": []}
     try:
         if not cluster.ready(START_TIMEOUT_S):
             print("\n".join(cluster.lines[-40:]), file=sys.stderr)
             return 1
-        counter = ReplicaCounter(cluster.proc.pid, t0)
+        counter = Watch(lambda: len(replica_pids(cluster.pid, "FlyDrafter")), SAMPLE_S, t0)  # drafter replicas
         for users in a.users:
             start = time.monotonic() - t0
             row = sweep_level(cluster.url, users, a, out)
             level = {"users": users, "t0_s": round(start, 1), "t1_s": round(time.monotonic() - t0, 1)}
             summary["levels"].append(level | {k: row.get(k) for k in ("tokens_per_s", "p50_latency_s", "failures")})
-        time.sleep(pool["downscale_delay_s"] + 10)  # idle: the pool back to its minimum
+        # idle: the pool back to its minimum
+        until(lambda: True if counter.changes[-1][1] <= pool["min_replicas"] else None, pool["downscale_delay_s"] + 60)
     finally:
         if counter is not None:
             counter.close()
-            summary["drafter_replicas"] = counter.samples
-        cluster.stop()
+            changes = counter.changes + [(time.monotonic() - t0, counter.changes[-1][1])] * bool(counter.changes)
+            summary["drafter_replicas"] = [(round(t, 2), n) for t, n in changes]
+        cluster.stop(120)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     plotted = plot(summary, out / "cluster_sweep.png")
     for level in summary["levels"]:

@@ -1,5 +1,6 @@
-"""`fly-serve serve` as a child process of this one, in a session of its own, its output collected;
-127.0.0.1 only. A graceful stop (SIGTERM), and a kill of its whole process group."""
+"""`fly-serve serve`, or the local multi-node cluster, as a child process of this one, in a session of
+its own, its output collected; 127.0.0.1 only. A graceful stop (SIGTERM), and a kill of its whole
+process group (the Ray it started lives there)."""
 
 import os
 import signal
@@ -16,29 +17,16 @@ ROOT = Path(__file__).resolve().parent.parent
 PROFILES = ROOT / "deployments" / "profiles"
 
 
-class ServeProcess:
-    """`python -m fly_cli.main serve ...` in a session of its own, its output collected; 127.0.0.1
-    only. FLY_API_KEY is left out of its environment: the run's clients send no key."""
+class ChildProcess:
+    """`python -m <module> <args>` of this repository in a session of its own, its output
+    collected, serving on 127.0.0.1:port. FLY_API_KEY is left out of its environment: the run's
+    clients send no key."""
 
-    def __init__(
-        self,
-        port: int = 0,
-        *,
-        tiny: bool = False,
-        config: str | None = None,
-        grace_s: float | None = None,
-        num_cpus: int | None = None,
-    ):
+    def __init__(self, module: str, args: list[str], port: int):
         self.lines: list[str] = []
-        port = port or free_port()
-        args = ["--host", "127.0.0.1", "--port", str(port)]
-        args += ["--tiny"] if tiny else []
-        args += ["--config", config] if config else []
-        args += ["--grace-s", str(grace_s)] if grace_s is not None else []
-        args += ["--num-cpus", str(num_cpus)] if num_cpus is not None else []
         env = {k: v for k, v in os.environ.items() if k != "FLY_API_KEY"} | {"RAY_AUTH_MODE": "disabled"}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "fly_cli.main", "serve", *args],
+            [sys.executable, "-m", module, *args],
             cwd=ROOT,
             env=env,
             stdout=subprocess.PIPE,
@@ -89,6 +77,40 @@ class ServeProcess:
     @property
     def pid(self) -> int:
         return self.proc.pid
+
+
+class ServeProcess(ChildProcess):
+    """`fly-serve serve` (python -m fly_cli.main serve ...) on 127.0.0.1."""
+
+    def __init__(
+        self,
+        port: int = 0,
+        *,
+        tiny: bool = False,
+        config: str | None = None,
+        grace_s: float | None = None,
+        num_cpus: int | None = None,
+    ):
+        port = port or free_port()
+        args = ["serve", "--host", "127.0.0.1", "--port", str(port)]
+        args += ["--tiny"] if tiny else []
+        args += ["--config", config] if config else []
+        args += ["--grace-s", str(grace_s)] if grace_s is not None else []
+        args += ["--num-cpus", str(num_cpus)] if num_cpus is not None else []
+        super().__init__("fly_cli.main", args, port)
+
+
+class ClusterProcess(ChildProcess):
+    """`python -m deployments.local_cluster` (a head and worker raylets on 127.0.0.1, the app
+    deployed on them); args: its own flags (--tiny, --one-node, --add, --deployments ...). Its
+    SIGTERM stops every node it started."""
+
+    def __init__(self, port: int = 0, args: list[str] = ()):
+        port = port or free_port()
+        super().__init__("deployments.local_cluster", ["--port", str(port), *args], port)
+
+    def ready(self, timeout_s: float) -> bool:
+        return self.wait_for("local-cluster: ready", timeout_s)
 
 
 def profile_path(profile: str) -> Path:

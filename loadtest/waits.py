@@ -1,5 +1,6 @@
 """Waiting on a live app: one loop (`until`) that every wait goes through, so each has a
-deadline and a poll interval and none hangs; and a background watch of /healthz."""
+deadline and a poll interval and none hangs; and a background watch of a value (/healthz's status,
+a count of replicas) that records when it changed."""
 
 import threading
 import time
@@ -81,29 +82,36 @@ def probe_until(
     return probes
 
 
-class HealthWatch:
-    """Polls /healthz in the background from its start: each change of status and when it came
-    (None: no answer), so a run can say when /healthz went 503 and when it came back."""
+class Watch:
+    """Calls read() every poll_s in the background from t0 (default: its start) and records each
+    change of the value and when it came, so a run can say when a status flipped or a count grew."""
 
-    def __init__(self, url: str, poll_s: float = 0.2):
-        self.url, self.poll_s = url, poll_s
-        self.t0 = time.monotonic()
-        self.changes: list[tuple[float, int | None]] = []  # (seconds since start, status)
+    def __init__(self, read: Callable[[], object], poll_s: float, t0: float | None = None):
+        self.read, self.poll_s = read, poll_s
+        self.t0 = time.monotonic() if t0 is None else t0
+        self.changes: list[tuple[float, object]] = []  # (seconds since t0, value)
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
 
     def _run(self) -> None:
         while not self.stop.is_set():
-            status = healthz(self.url, timeout_s=2.0)
-            if not self.changes or self.changes[-1][1] != status:
-                self.changes.append((time.monotonic() - self.t0, status))
+            value = self.read()
+            if not self.changes or self.changes[-1][1] != value:
+                self.changes.append((time.monotonic() - self.t0, value))
             self.stop.wait(self.poll_s)
 
-    def first(self, status: int | None, after_s: float = 0.0) -> float | None:
-        """Seconds from the start until /healthz first answered `status` (at or after after_s)."""
-        return next((round(t, 1) for t, s in self.changes if s == status and t >= after_s), None)
+    def first(self, value: object, after_s: float = 0.0) -> float | None:
+        """Seconds from t0 until the value was first `value` (at or after after_s)."""
+        return next((round(t, 1) for t, v in self.changes if v == value and t >= after_s), None)
 
     def close(self) -> None:
         self.stop.set()
         self.thread.join(timeout=10)
+
+
+class HealthWatch(Watch):
+    """/healthz's status (None: no answer) every 0.2 s: when it went 503 and when it came back."""
+
+    def __init__(self, url: str, poll_s: float = 0.2):
+        super().__init__(lambda: healthz(url, timeout_s=2.0), poll_s)

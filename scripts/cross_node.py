@@ -27,18 +27,13 @@ round trip plus its bytes at the link's rate, from --rtt-ms and --gbps.
 import argparse
 import json
 import pickle
-import signal
-import subprocess
 import sys
-import time
-from pathlib import Path
-
-import requests
 
 from deployments.parts.row_history import RowSender
 from fly_bench.prompts import COMPLETIONS as PROMPTS
+from loadtest.client import complete, stats
+from loadtest.server import ClusterProcess
 
-ROOT = Path(__file__).resolve().parents[1]
 START_TIMEOUT_S = 600.0
 
 
@@ -99,38 +94,29 @@ def bytes_per_round(tiny: bool, batches: list[int], max_tokens: int) -> dict:
     return out
 
 
-def start_cluster(tiny: bool, one_node: bool, port: int) -> subprocess.Popen:
-    argv = [sys.executable, "-m", "deployments.local_cluster", "--port", str(port)]
-    argv += ["--tiny"] * tiny + ["--one-node"] * one_node
-    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    deadline = time.monotonic() + START_TIMEOUT_S
-    for line in proc.stdout:
-        print(line.rstrip(), file=sys.stderr, flush=True)
-        if line.startswith("local-cluster: ready"):
-            return proc
-        if time.monotonic() > deadline:
-            break
-    stop(proc)
-    raise RuntimeError("the local cluster did not become ready")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGTERM)  # the launcher stops every node it started
-    try:
-        proc.wait(timeout=120)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+def start_cluster(tiny: bool, one_node: bool) -> ClusterProcess:
+    cluster = ClusterProcess(0, ["--tiny"] * tiny + ["--one-node"] * one_node)
+    if not cluster.ready(START_TIMEOUT_S):
+        print("\n".join(cluster.lines[-40:]), file=sys.stderr)
+        cluster.stop(120)
+        raise RuntimeError("the local cluster did not become ready")
+    return cluster
 
 
 def round_transport(url: str, requests_n: int, max_tokens: int) -> dict:
     """Mean seconds per round by phase over requests sent one at a time (after a warm-up)."""
     body = {"max_tokens": max_tokens, "temperature": 0, "fly": {"mode": "fly", "k": 8, "theta": 1.0}}
-    requests.post(f"{url}/v1/completions", json={**body, "prompt": PROMPTS[0]}, timeout=300).raise_for_status()
-    before = requests.get(f"{url}/v1/fly/stats", timeout=30).json()
+
+    def send(prompt: str) -> None:
+        got = complete(url, {**body, "prompt": prompt}, timeout_s=300)
+        if got.kind != "ok":
+            raise RuntimeError(f"a request failed: {got.detail}")
+
+    send(PROMPTS[0])  # warm-up
+    before = stats(url, timeout_s=30)
     for i in range(requests_n):
-        r = requests.post(f"{url}/v1/completions", json={**body, "prompt": PROMPTS[i % len(PROMPTS)]}, timeout=300)
-        r.raise_for_status()
-    after = requests.get(f"{url}/v1/fly/stats", timeout=30).json()
+        send(PROMPTS[i % len(PROMPTS)])
+    after = stats(url, timeout_s=30)
     rounds = after["rounds"] - before["rounds"]
     # the timeline is a mean over all rounds since start: back to totals, minus the warm-up's
     mean = {
@@ -143,14 +129,14 @@ def round_transport(url: str, requests_n: int, max_tokens: int) -> dict:
     return {"rounds": rounds, "ms_per_round": ms}
 
 
-def latency(tiny: bool, requests_n: int, max_tokens: int, port: int) -> dict:
+def latency(tiny: bool, requests_n: int, max_tokens: int) -> dict:
     out = {}
     for layout, one_node in (("one_node", True), ("three_nodes", False)):
-        proc = start_cluster(tiny, one_node, port)
+        cluster = start_cluster(tiny, one_node)
         try:
-            out[layout] = round_transport(f"http://127.0.0.1:{port}", requests_n, max_tokens)
+            out[layout] = round_transport(cluster.url, requests_n, max_tokens)
         finally:
-            stop(proc)
+            cluster.stop(120)  # SIGTERM: the launcher stops every node; then its whole group
     added = {
         k: round(out["three_nodes"]["ms_per_round"][k] - out["one_node"]["ms_per_round"][k], 3)
         for k in ("draft_transport", "verify_transport")
@@ -172,7 +158,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--requests", type=int, default=8)
-    p.add_argument("--port", type=int, default=8013)
     p.add_argument("--rtt-ms", type=float, default=0.2, help="the projection's round trip (same zone)")
     p.add_argument("--gbps", type=float, default=10.0, help="the projection's link rate")
     a = p.parse_args(argv)
@@ -181,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         out["bytes_per_round"] = bytes_per_round(a.tiny, a.batches, a.max_tokens)
         out["projection"] = projection(out["bytes_per_round"], a.rtt_ms, a.gbps)
     if a.phase in ("latency", "both"):
-        out["latency"] = latency(a.tiny, a.requests, a.max_tokens, a.port)
+        out["latency"] = latency(a.tiny, a.requests, a.max_tokens)
     print(json.dumps(out, indent=2))
     return 0
 

@@ -26,6 +26,21 @@ def start_serve(app_args: dict, name: str = "fly"):
     return f"http://127.0.0.1:{port}"
 
 
+def running(deployment: str, app: str = "fly") -> int:
+    """Replicas of a deployment Serve reports RUNNING."""
+    from ray import serve
+
+    return serve.status().applications[app].deployments[deployment].replica_states.get("RUNNING", 0)
+
+
+def per_replica(deployment: str, method: str, n: int, app: str = "fly") -> list:
+    """`method` on each of n replicas: a call tagged g<i> goes to the i-th (routing/replica_pool.PinnedRouter)."""
+    from ray import serve
+
+    handle = serve.get_deployment_handle(deployment, app)
+    return [getattr(handle.options(multiplexed_model_id=f"g{i}"), method).remote().result() for i in range(n)]
+
+
 def stop_serve():
     import ray
     from ray import serve

@@ -16,14 +16,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
-from serve_fixture import ROOT
+from serve_fixture import ROOT, per_replica, running
 
 from deployments.launch import wait_ready
 from deployments.local_cluster import PROFILE, LocalCluster
-from deployments.profiles.placement import render_placement
 from fly_serve.build import build_engine
 from fly_serve.runtime.tp import free_port
-from loadtest.client import InFlight, complete
+from loadtest.client import InFlight, complete, stats
 from loadtest.waits import HealthWatch, probe_until, until, wait_generating, wait_status
 
 pytestmark = pytest.mark.serve
@@ -42,7 +41,7 @@ EAGER_POOL = {
     "min_replicas": 1,
     "max_replicas": 2,
     "upscale_delay_s": 0.5,
-    "downscale_delay_s": 3,
+    "downscale_delay_s": 15,  # longer than the waves that read both replicas drafting
     "metrics_interval_s": 0.5,
     "look_back_period_s": 2,
     "policy": {"policy_function": "deployments.routing.replica_pool:BusyPolicy", "policy_kwargs": {"target": 0.01}},
@@ -95,35 +94,16 @@ def wave(url: str, n: int = 8) -> list[tuple[str, str]]:
         return list(pool.map(lambda i: (PROMPTS[i % 4], generate(url, PROMPTS[i % 4])), range(n)))
 
 
-def running(deployment: str) -> int:
-    from ray import serve
-
-    return serve.status().applications["fly"].deployments[deployment].replica_states.get("RUNNING", 0)
-
-
-def per_replica(method: str, n: int) -> list:
-    """`method` on each of n drafter replicas: a call tagged g<i> goes to the i-th (PinnedRouter)."""
-    from ray import serve
-
-    handle = serve.get_deployment_handle("FlyDrafter", "fly")
-    return [getattr(handle.options(multiplexed_model_id=f"g{i}"), method).remote().result() for i in range(n)]
-
-
 def forwards_by_replica() -> dict[int, int]:
     """Each running drafter replica's model forwards since its start, by its pid."""
     n = running("FlyDrafter")
-    return dict(zip(per_replica("pid", n), (r["forwards"] for r in per_replica("cache_report", n))))
-
-
-def drafter_forwards(url: str) -> int:
-    return requests.get(f"{url}/v1/fly/stats", timeout=30).json()["drafter_cache"]["forwards"]
+    reports = per_replica("FlyDrafter", "cache_report", n)
+    return dict(zip(per_replica("FlyDrafter", "pid", n), (r["forwards"] for r in reports)))
 
 
 # ---- 1, 2: placement is what the profile says, outputs are the engine's
 def test_each_replica_and_rank_runs_on_the_node_type_its_profile_names(cluster, reference):
-    rendered = render_placement(PROFILE, NODE_TYPES)["applications"]["fly"]["deployments"]
-    want = {name: d["node_types"] for name, d in rendered.items()}
-    assert want == {"FlyIngress": [HEAD], "FlyTarget": [TARGET], "FlyDrafter": [DRAFTER]}  # one type each
+    # (that the profile names one node type each is test_placement's, which starts nothing)
     for prompt in PROMPTS:
         assert generate(cluster.url, prompt) == reference[prompt]
     placed = {name: cluster.where(name) for name in ("FlyIngress", "FlyTarget", "TPWorker", "FlyDrafter")}
@@ -139,7 +119,7 @@ def test_each_replica_and_rank_runs_on_the_node_type_its_profile_names(cluster, 
     assert len(ranks) == 2 and {p.node_id for p in ranks} == {placed["FlyTarget"][0].node_id}
     nodes = {placed[k][0].node_id for k in ("FlyIngress", "FlyTarget", "FlyDrafter")}
     assert len(nodes) == 3  # three parts, three nodes: every round's calls cross nodes
-    assert drafter_forwards(cluster.url) > 0  # the drafter node's replica drafted those outputs
+    assert stats(cluster.url)["drafter_cache"]["forwards"] > 0  # the drafter node's replica drafted those outputs
 
 
 # ---- 3: a drafter node joins, the pool grows onto it under load, then back to its minimum
@@ -155,14 +135,18 @@ def test_a_drafter_node_that_joins_gets_a_replica_under_load_and_the_pool_shrink
     grown_s = time.monotonic() - t_join
     by_node = {p.pid: p.node_id for p in cluster.where("FlyDrafter")}
     assert set(by_node.values()) == {first, joined.node_id}  # the new replica is on the node that joined
-    pids = per_replica("pid", 2)
-    before = [r["rows"] for r in per_replica("cache_report", 2)]
-    time.sleep(3)  # the ingress's count of live drafter replicas refreshes (LiveReplicas' ttl)
-    for prompt, text in wave(cluster.url) + wave(cluster.url):
-        assert text == reference[prompt]
-    after = [r["rows"] for r in per_replica("cache_report", 2)]
+    pids = per_replica("FlyDrafter", "pid", 2)
+    before = [r["rows"] for r in per_replica("FlyDrafter", "cache_report", 2)]
+
+    def both_drafted():  # waves until the ingress's count of live replicas (LiveReplicas' ttl) has both
+        for prompt, text in wave(cluster.url):
+            assert text == reference[prompt]
+        after = [r["rows"] for r in per_replica("FlyDrafter", "cache_report", 2)]
+        return after if all(a > b for a, b in zip(after, before)) else None
+
+    after = until(both_drafted, SCALE_S)
+    assert after is not None, "rows were not drafted on both drafter nodes"
     rows = {by_node[pid][:8]: a - b for pid, a, b in zip(pids, after, before)}
-    assert all(n > 0 for n in rows.values()), rows  # rows drafted on both nodes
     t_idle = time.monotonic()
     shrunk = until(lambda: time.monotonic() if running("FlyDrafter") == 1 else None, SCALE_S)
     # the stopped replica's process ends once its calls are done (graceful shutdown)
@@ -239,12 +223,10 @@ def test_a_target_node_killed_errors_cleanly_then_a_new_target_node_serves(clust
         probe = {"prompt": PROMPTS[1], "max_tokens": 4}
         probes = probe_until(cluster.url, probe, lambda ps: bool(ps) and ps[-1].kind == "ok", RECOVERY_S, 60)
         # the watch polls every 0.2 s: a probe may succeed before it has seen the 200
-        wait_status(cluster.url, 200, RECOVERY_S)
-        until(lambda: health.first(200, after_s=(unhealthy or t_kill) - health.t0), 5.0, poll_s=0.1)
+        back_200 = until(lambda: health.first(200, after_s=(unhealthy or t_kill) - health.t0), RECOVERY_S, 0.1)
     finally:
         health.close()
     ok = probes[-1].ended if probes and probes[-1].kind == "ok" else None
-    back_200 = health.first(200, after_s=(unhealthy or t_kill) - health.t0)
     report(
         "target node killed",
         {

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import requests
-from serve_fixture import ROOT, start_serve, stop_serve
+from serve_fixture import ROOT, per_replica, running, start_serve, stop_serve
 
 from fly_serve.build import build_engine
 
@@ -58,21 +58,6 @@ def complete(url, prompt):
     r = requests.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": 24}, timeout=120)
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["text"]
-
-
-def running(deployment: str) -> int:
-    from ray import serve
-
-    states = serve.status().applications["fly"].deployments[deployment].replica_states
-    return states.get("RUNNING", 0)
-
-
-def per_replica(deployment: str, method: str, n: int) -> list:
-    """`method` on each of n replicas: a call tagged g<i> goes to the i-th (replica_pool.PinnedRouter)."""
-    from ray import serve
-
-    handle = serve.get_deployment_handle(deployment, "fly")
-    return [getattr(handle.options(multiplexed_model_id=f"g{i}"), method).remote().result() for i in range(n)]
 
 
 def wave(url, n=8):
