@@ -17,7 +17,7 @@ from .k_auto.cost_calibration import calibrate_engine, calibration_key, model_na
 from .loading.head_cut import check_head_cut
 from .loading.loading import eos_ids, load_config, load_model, load_tokenizer
 from .loading.weights import DEFAULT_DRAFTER, DEFAULT_TARGET, check_same_tokenizer
-from .runtime.llama_runner import GGUFModel, LlamaRunner
+from .runtime.llama_runner import GGUFModel, LlamaRunner, set_reproducible
 from .runtime.model_scorer import ModelScorer
 from .runtime.runner import Runner
 
@@ -74,6 +74,7 @@ def load_scorer(
     """The target (rank `rank` of `world` shards) as a scorer, on `device` (devices.py; None: this
     process's). Every rank gets the same token budget, so that the ranks take the same block
     decisions."""
+    set_reproducible(config.reproducible)
     model = load_model(
         config.target, config.dtype, rank, world, progress=progress, device=device, runtime=config.runtime
     )
@@ -83,6 +84,7 @@ def load_scorer(
 def load_drafter(config: EngineConfig, device=None, progress=print) -> ModelDrafter:
     """The draft model, its logits cut to the tokenizer's tokens as the target's are."""
     check_head_cut(config.drafter_head_cut, "drafter_head_cut")
+    set_reproducible(config.reproducible)
     model = load_model(
         config.drafter,
         config.drafter_precision,
@@ -167,6 +169,7 @@ def build_engine(
     policy's cost check corrects from the first rounds (calibrate_engine can still be called)."""
     config = with_knobs(config or EngineConfig(), knobs)
     check_head_cut(config.drafter_head_cut, "drafter_head_cut")
+    set_reproducible(config.reproducible)  # before any model loads: it picks llama.cpp's kernels
     names = model_name(target), model_name(drafter)  # for the calibration's key, before loading
     # loaded models are not names: the config keeps names only (None for a loaded part)
     config = replace(

@@ -39,6 +39,11 @@ class EngineConfig:
     # Share full KV blocks between sequences with the same token prefix (kv_cache.py), on the
     # target (every TP rank) and the drafter; off: every request prefills its whole prompt.
     prefix_cache: bool = False
+    # llama.cpp's kernels chosen so that a position's logits do not depend on the forward's shape
+    # (llama_runner.py, "Reproducible"): one text per greedy request however rounds and batches
+    # fall, at a speed cost measured in docs/benchmarks.md. Process-wide; the torch runtime's
+    # exactness is fp32's (docs/tuning.md).
+    reproducible: bool = False
     # The models' runtime (loading.resolve_runtime): "auto" runs a model that ships as GGUF on
     # llama.cpp's CPU kernels as shipped (llama_runner.py) and everything else on torch (GPUs, TP,
     # checkpoints, tiny test models); "torch" or "llama.cpp" to choose.

@@ -82,6 +82,9 @@ class AppArgs(BaseModel):
     # the models' runtime (fly_serve/loading/loading.py resolve_runtime): auto runs a GGUF model on
     # llama.cpp's kernels on a CPU, torch elsewhere
     runtime: Literal["auto", "torch", "llama.cpp"] = "auto"
+    # llama.cpp's kernels chosen so that a position's logits do not depend on the forward's shape:
+    # one text per greedy request however rounds and batches fall (fly_serve/runtime/llama_runner.py)
+    reproducible: bool = False
     # Staying up (deployments/README.md, "Serving that stays up"):
     max_waiting: int = Field(DEFAULT_MAX_WAITING, ge=0)  # admitted beyond max_batch; past that, 503
     # one call from the ingress to the target or to a drafter replica (then it is cancelled)

@@ -13,6 +13,20 @@ applies: keep the common prefix of what the sequence holds and what the row now 
 row adopts the longest prefix it shares with any sequence held (`llama_memory_seq_cp` marks the
 same cells as the new sequence's too: shared, not copied); released sequences stay as such donors
 until their room or their id is needed, least recently used first.
+
+Reproducible (`set_reproducible`, EngineConfig.reproducible): llama.cpp picks its CPU kernels by the
+forward's shape, and the kernels sum in different orders, so a position's logits depend on how many
+tokens its forward carried and beside which rows (measured: up to 0.6 in a logit of the 1.5B
+target, enough to flip a greedy token now and then): weights repacked for its gemm kernels (>= 4
+rows), its tiled K-quant matmul (>= 8 rows), its tiled flash attention (>= 64 query rows) and its
+split-KV attention (one query row over >= 512 cells). Reproducible mode keeps every forward on the
+kernels that compute each row alone in one order: weights as shipped (no repack), the tiled matmul
+off (GGML_CPU_TILED_MM=0, read once per process), forwards of at most REPRODUCIBLE_UBATCH tokens and
+never of one token alone (a lone token is fed with the one before it again). Then a position's
+logits are bit for bit the same in a plain step, in a verification of any width and in any batch
+(tests/test_llama_runtime.py), so a greedy request gives one text however rounds and batches fell,
+and strict speculative decoding gives plain decoding's text exactly; what it costs is measured in
+docs/benchmarks.md.
 """
 
 import ctypes
@@ -29,6 +43,9 @@ from .kv_cache import KVCacheFull, common_prefix
 log = logging.getLogger("fly_serve.runtime.llama_runner")
 
 MIN_SHARED = 16  # a prefix shorter than this is fed rather than adopted (a chat template's opening)
+# Tokens a reproducible forward carries at most: below the 64 query rows where llama.cpp's flash
+# attention switches to its tiled kernel (module docstring).
+REPRODUCIBLE_UBATCH = 32
 
 
 class LlamaCppMissing(RuntimeError):
@@ -67,6 +84,29 @@ def _QUIET(level, text, _):
         )
 
 
+_REPRODUCIBLE = False  # this process's kernels are shape-invariant (set_reproducible)
+_DECODED = False  # a forward ran in this process: llama.cpp has read its kernel switches
+
+
+def set_reproducible(on: bool) -> None:
+    """Shape-invariant kernels for every llama.cpp model this process loads from now (module
+    docstring). Process-wide and for good, since llama.cpp reads its tiled-matmul switch once: on
+    before the process's first forward; asking for off afterwards raises."""
+    global _REPRODUCIBLE
+    if on == _REPRODUCIBLE:
+        return
+    if not on:
+        raise RuntimeError("reproducible: this process already runs llama.cpp reproducibly (kernels are chosen once)")
+    if _DECODED and os.environ.get("GGML_CPU_TILED_MM") != "0":
+        raise RuntimeError("reproducible: must be chosen before this process's first llama.cpp forward")
+    os.environ["GGML_CPU_TILED_MM"] = "0"
+    _REPRODUCIBLE = True
+
+
+def reproducible() -> bool:
+    return _REPRODUCIBLE
+
+
 def available() -> bool:
     try:
         lib()
@@ -93,12 +133,15 @@ class GGUFModel:
 
     def __init__(self, path: str, repack: bool | None = None):
         """repack: let llama.cpp repack the weights for its faster CPU kernels (its "extra buffer
-        types"); None: unless its AMX kernels would take them (amx_kernels_unsafe)."""
+        types"); None: unless its AMX kernels would take them (amx_kernels_unsafe) or the process
+        is reproducible (their gemm sums in another order than their gemv)."""
         L = lib()
         params = L.llama_model_default_params()
         params.n_gpu_layers = 0
-        params.use_extra_bufts = not amx_kernels_unsafe() if repack is None else repack
-        self.path = str(path)
+        if repack is None:
+            repack = not (amx_kernels_unsafe() or reproducible())
+        params.use_extra_bufts = repack
+        self.path, self.repacked = str(path), repack
         self.ptr = L.llama_model_load_from_file(self.path.encode(), params)
         if not self.ptr:
             raise ValueError(f"model: llama.cpp could not load {self.path!r} as a GGUF model")
@@ -268,6 +311,11 @@ class LlamaRunner:
         L = lib()
         self.model = model
         self.vocab_size = model.n_vocab
+        self.reproducible = reproducible()
+        if self.reproducible:  # module docstring: no repacked weights, no forward past the small kernels
+            if model.repacked:
+                raise RuntimeError(f"reproducible: {model.path} was loaded with repacked weights before the choice")
+            batch_tokens = min(batch_tokens, REPRODUCIBLE_UBATCH)
         capacity = budget_tokens or n_slots * 4096
         params = L.llama_context_default_params()
         params.n_ctx = capacity
@@ -308,6 +356,13 @@ class LlamaRunner:
             want = [0] * len(keys)
         else:
             want = fed if tail is None else tail
+        if self.reproducible and sum(fed) == 1 and plans[fed.index(1)][1] > 0:
+            # a lone token takes llama.cpp's split-KV attention: the token before it goes again
+            b = fed.index(1)
+            limits = list(limits or [len(t) for t in tokens])
+            limits[b] = plans[b][1] - 1
+            plans = self.cache.plan(keys, tokens, limits, protect)
+            fed = [len(toks) - start for (_, start), toks in zip(plans, tokens)]
         try:
             out = self._decode(plans, tokens, want, set(keys) | set(protect))
         except BaseException:
@@ -320,7 +375,14 @@ class LlamaRunner:
 
     def _decode(self, plans, tokens, want: list[int], busy: set) -> torch.Tensor | None:
         """Every row's fed tokens, in order, in llama_decode calls of batch_tokens at most; the
-        logits of the last want[b] tokens of each row, [B, max(want), V] (None if none is wanted)."""
+        logits of the last want[b] tokens of each row, [B, max(want), V] (None if none is wanted).
+
+        llama.cpp writes the logits it was asked for into its own buffer, [outputs, V] in batch
+        order, which is [B, w, V] row-major when every row wants the same w and one call fed
+        them all: then that buffer is returned as it is, no copy and no allocation (a plain step
+        and a round of equal drafts; the view lives until this runner's next call, and every
+        reader is done with a round's logits before its next feed). Otherwise each wanted row is
+        copied once into its slot, and only the padding slots are zeroed."""
         fed = [len(toks) - start for (_, start), toks in zip(plans, tokens)]
         rows = np.repeat(np.arange(len(plans)), fed)  # [N]: the row of each fed token
         pos = np.concatenate([np.arange(start, len(toks), dtype=np.int32) for (_, start), toks in zip(plans, tokens)])
@@ -328,33 +390,52 @@ class LlamaRunner:
         seqs = np.repeat([s.id for s, _ in plans], fed).astype(np.int32)
         first = np.array([len(toks) - w for toks, w in zip(tokens, want)])[rows]  # first wanted position
         wanted, slot = pos >= first, pos - first  # [N]; slot: where a wanted token's logits go in out
-        out = torch.zeros(len(plans), max(want), self.vocab_size) if max(want) > 0 else None
-        for lo in range(0, len(ids), self.batch_tokens):
-            hi = min(lo + self.batch_tokens, len(ids))
-            n = hi - lo
-            self.batch.token[:n], self.batch.pos[:n], self.batch.seq[:n] = ids[lo:hi], pos[lo:hi], seqs[lo:hi]
-            self.batch.logits[:n] = wanted[lo:hi]
-            self.batch.c.n_tokens = n
-            self._decode_chunk(busy)
+        width = max(want)
+        if width > 0 and len(ids) <= self.batch_tokens and min(want) == width:
+            self._decode_chunk(ids, pos, seqs, wanted, busy)
+            return self._logits_view(len(plans) * width).view(len(plans), width, self.vocab_size)
+        out = torch.empty(len(plans), width, self.vocab_size) if width > 0 else None
+        for b, w in enumerate(want):  # the padding slots (the contract: zeros)
+            if out is not None and w < width:
+                out[b, w:].zero_()
+        for lo, hi in self._chunks(len(ids)):
+            self._decode_chunk(ids[lo:hi], pos[lo:hi], seqs[lo:hi], wanted[lo:hi], busy)
             got = np.nonzero(wanted[lo:hi])[0] + lo
             if out is not None and len(got):
-                ptr = lib().llama_get_logits(self.ctx)  # [outputs of this call, V], in batch order
-                out[torch.from_numpy(rows[got]), torch.from_numpy(slot[got])] = torch.from_numpy(
-                    np.ctypeslib.as_array(ptr, shape=(len(got), self.vocab_size))
-                )
+                out[torch.from_numpy(rows[got]), torch.from_numpy(slot[got])] = self._logits_view(len(got))
         return out
 
-    def _decode_chunk(self, busy: set) -> None:
+    def _chunks(self, n: int) -> list[tuple[int, int]]:
+        """[lo, hi) of each llama_decode call over n tokens, batch_tokens at most; a reproducible
+        runner never leaves one token alone in a call (module docstring)."""
+        bounds = list(range(0, n, self.batch_tokens)) + [n]
+        if self.reproducible and len(bounds) > 2 and bounds[-1] - bounds[-2] == 1:
+            bounds[-2] -= 1
+        return list(zip(bounds[:-1], bounds[1:]))
+
+    def _logits_view(self, n: int) -> torch.Tensor:
+        """The last call's n output rows of logits [n, V], read in place (llama.cpp's buffer)."""
+        ptr = lib().llama_get_logits(self.ctx)
+        return torch.from_numpy(np.ctypeslib.as_array(ptr, shape=(n, self.vocab_size)))
+
+    def _decode_chunk(self, ids, pos, seqs, wanted, busy: set) -> None:
+        """One llama_decode of these tokens (at most batch_tokens), logits where `wanted`."""
+        global _DECODED
+        _DECODED = True
+        n = len(ids)
+        b = self.batch
+        b.token[:n], b.pos[:n], b.seq[:n], b.logits[:n] = ids, pos, seqs, wanted
+        b.c.n_tokens = n
         L = lib()
         while True:
-            rc = L.llama_decode(self.ctx, self.batch.c)
+            rc = L.llama_decode(self.ctx, b.c)
             if rc == 0:
                 return
             if rc == 1 and self.cache.evict_one(busy):
                 continue  # no room for the batch: an idle sequence gave its cells, try again
             if rc == 1:
-                raise KVCacheFull("<batch>", self.batch.c.n_tokens, 0)
-            raise RuntimeError(f"llama_decode failed ({rc}) on a batch of {self.batch.c.n_tokens} tokens")
+                raise KVCacheFull("<batch>", n, 0)
+            raise RuntimeError(f"llama_decode failed ({rc}) on a batch of {n} tokens")
 
     def catch_up(self, keys: list[str], tokens: list[list[int]], max_lag: int = 1) -> None:
         """runner.Runner.catch_up: rows lagging more than max_lag tokens prefill now, apart from the
