@@ -475,7 +475,7 @@ def test_the_in_process_engine_is_built_with_the_profiles_engine_config():
         assert engine_config_for(path, tiny=True) == served, profile
     config = engine_config_for("deployments/profiles/cpu-default.yaml", tiny=True)
     assert (config.target, config.drafter) == ("tiny:0", "tiny:1")
-    assert config.prefix_cache and config.max_batch == 8 and config.drafter_precision == "int8"
+    assert config.prefix_cache and config.max_batch == 8 and config.drafter_precision == "auto"
     assert config.params().auto_k and config.params().mode == "fly"
     engine = engine_for("deployments/profiles/cpu-default.yaml", tiny=True)
     assert engine.scorer.runner.cache.prefix_cache and engine.drafters["model"].runner.cache.prefix_cache
