@@ -220,7 +220,10 @@ def test_the_head_killed_mid_load_then_restarted_on_its_redis_serves_on_without_
     # no redeploy: the same replica processes, a new controller on the new head
     assert after == before
     assert cluster.type_of(new_controller.node_id) == HEAD and new_controller.pid != controller.pid
-    for node in (front, cluster.head):  # the new head's proxy serves too
+    # the new head's proxy, started by the recovered controller, serves too once it is up
+    assert wait_ready(cluster.url, timeout_s=RECOVERY_S), "the new head's proxy never answered"
+    report("the new head's proxy answering", {"s_after_restart": round(time.monotonic() - t_restart, 1)})
+    for node in (front, cluster.head):
         for prompt in PROMPTS:
             assert generate(cluster.proxy_url(node), prompt) == reference[prompt]
 
