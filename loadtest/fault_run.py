@@ -54,7 +54,7 @@ from .client import InFlight, Tally, complete, failures
 from .procs import alive, descendants, kill_ours
 from .scenarios import BODY_TIMEOUT_S, PROMPT, App, drafter_kill, hostile_input, overload, tp_rank_kill
 from .server import ROOT, ClusterProcess, ServeProcess, profile_path
-from .waits import wait_generating, wait_healthy
+from .waits import until, wait_generating, wait_healthy
 
 HEAD_DOWN_S = 10.0  # the head stays down this long while requests keep coming (then its restart takes more)
 HA_PROFILE = "deployments/profiles/cpu-multinode-ha.yaml"
@@ -150,7 +150,10 @@ def head_kill(args) -> dict:
     try:
         if not cluster.ready(args.start_timeout_s):
             return {"failed": "the cluster did not become ready: " + " | ".join(cluster.lines[-5:])}
-        [front] = [m[1] for m in map(re.compile(r"frontend \S+ proxy (\S+)").search, cluster.lines) if m]
+        proxy = re.compile(r"frontend \S+ proxy (\S+)")  # the line after "ready"
+        [front] = until(lambda: [m[1] for m in map(proxy.search, cluster.lines) if m] or None, 30) or [None]
+        if front is None:
+            return {"failed": "the cluster named no frontend proxy: " + " | ".join(cluster.lines[-5:])}
         fly = {"mode": "fly", "k": 2, "window": 1}  # many rounds each: still running at the kill
         body = {"prompt": PROMPT, "max_tokens": args.inflight_tokens, "fly": fly}
         flight = InFlight(front, body, timeout_s=args.timeout_s)
