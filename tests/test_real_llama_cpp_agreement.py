@@ -28,7 +28,9 @@ QUESTIONS = [
 ]
 MAX_TOKENS = 48
 STRICT = {"fly": dict(mode="fly", k="auto", theta=1.0), "spd": dict(mode="spd", k=8)}
-FLOOR = 0.6  # equal texts at least this often (measured here: see the printed figure)
+# equal texts at least this often: measured 6/8 (fly) and 5/8 (spd) on a 2-core EPYC (docs/tuning.md);
+# other CPUs take other kernels, so the floor leaves room
+FLOOR = 0.5
 
 
 @pytest.fixture(scope="module")
