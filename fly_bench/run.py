@@ -16,6 +16,7 @@ import zlib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from fly_serve.config import DRAFTER_CPU_AUTO
 from fly_serve.engine.params import MODES
 from fly_serve.loading.loading import RUNTIMES
 
@@ -73,7 +74,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=None, help="model name (default: the embedded target)")
     p.add_argument("--drafter", default=None, help="model name (default: the embedded drafter)")
     p.add_argument("--dtype", default="auto", help="target precision (auto: bf16 where the hardware has it, else fp32)")
-    p.add_argument("--drafter-precision", default="int8")
+    p.add_argument(
+        "--drafter-precision", default="auto", help="auto: the GGUF as shipped on llama.cpp, int8 on torch on a CPU"
+    )
     p.add_argument(
         "--threads", type=int, default=None, help="threads of torch, llama.cpp and llama-server (default: torch's)"
     )
@@ -184,7 +187,9 @@ def torch_models(bench: Bench) -> tuple:
         target = load_model(bench.target_name, args.dtype, progress=_quiet, runtime="torch")
         drafter = None
         if needs_drafter(bench, "torch"):
-            drafter = load_model(bench.drafter_name, args.drafter_precision, progress=_quiet, runtime="torch")
+            drafter = load_model(
+                bench.drafter_name, args.drafter_precision, progress=_quiet, runtime="torch", cpu_auto=DRAFTER_CPU_AUTO
+            )
         bench.torch_models = (target, drafter)
     return bench.torch_models
 

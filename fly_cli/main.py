@@ -61,17 +61,20 @@ def generate(args) -> None:
 
     t0 = time.perf_counter()
     params = params_from(args)
-    engine = build_engine(
-        args.target,
-        args.drafter if params.mode_spec.source == "model" else None,
-        dtype=args.dtype,
-        drafter_precision=args.drafter_precision,
-        drafter_head_cut=args.drafter_head_cut,
-        max_batch=1,
-        draft_min_confidence=args.draft_min_confidence,
-        runtime=args.runtime,
-        progress=progress,
-    )
+    try:
+        engine = build_engine(
+            args.target,
+            args.drafter if params.mode_spec.source == "model" else None,
+            dtype=args.dtype,
+            drafter_precision=args.drafter_precision,
+            drafter_head_cut=args.drafter_head_cut,
+            max_batch=1,
+            draft_min_confidence=args.draft_min_confidence,
+            runtime=args.runtime,
+            progress=progress,
+        )
+    except ValueError as e:  # a knob refused (--dtype fp32 with --runtime llama.cpp ...): named, no traceback
+        sys.exit(f"error: {e}")
     progress(f"models ready in {time.perf_counter() - t0:.1f} s; generating")
     try:
         prompt = args.prompt if args.raw else chat_prompt(engine.tokenizer, args.prompt)

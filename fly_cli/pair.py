@@ -14,9 +14,17 @@ def add_pair(p: argparse.ArgumentParser) -> None:
         "--dtype",
         choices=["auto", *DTYPES],
         default="auto",
-        help="target precision (auto: bf16 with hardware bf16, else fp32)",
+        help="target precision (auto: the GGUF as shipped on llama.cpp; on torch bf16 with hardware bf16, else fp32). "
+        "bf16 or fp32 run the target on torch at that precision (llama.cpp has only the file's quantization); "
+        "with --runtime llama.cpp they are refused",
     )
-    p.add_argument("--drafter-precision", choices=PRECISIONS, default="int8", help="of a torch drafter")
+    p.add_argument(
+        "--drafter-precision",
+        choices=PRECISIONS,
+        default="auto",
+        help="auto: the GGUF as shipped on llama.cpp, int8 on torch on a CPU; another value runs the drafter on "
+        "torch at it (refused with --runtime llama.cpp)",
+    )
     p.add_argument(
         "--runtime",
         choices=RUNTIMES,

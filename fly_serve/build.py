@@ -7,7 +7,7 @@ from dataclasses import fields, replace
 
 import torch
 
-from .config import EngineConfig
+from .config import DRAFTER_CPU_AUTO, EngineConfig
 from .contracts import Drafter, ModelRunner, Scorer
 from .decision.grammar import Grammars
 from .drafting.drafters import ModelDrafter
@@ -76,7 +76,7 @@ def load_scorer(
     decisions."""
     set_reproducible(config.reproducible)
     model = load_model(
-        config.target, config.dtype, rank, world, progress=progress, device=device, runtime=config.runtime
+        config.target, config.dtype, rank, world, progress=progress, device=device, runtime=config.runtime, knob="dtype"
     )
     return scorer_for(model, config, len(load_tokenizer(config.target, progress)), tp_group, sample=rank == 0)
 
@@ -92,6 +92,8 @@ def load_drafter(config: EngineConfig, device=None, progress=print) -> ModelDraf
         head_cut=config.drafter_head_cut,
         device=device,
         runtime=config.runtime,
+        knob="drafter_precision",
+        cpu_auto=DRAFTER_CPU_AUTO,
     )
     return drafter_for(model, config, len(load_tokenizer(config.drafter, progress)))
 
@@ -182,7 +184,9 @@ def build_engine(
             raise ValueError("tokenizer: required when the target is an already-loaded model")
         tokenizer = load_tokenizer(config.target, progress)
     if isinstance(target, str):
-        target_model = load_model(target, config.dtype, progress=progress, device=device, runtime=config.runtime)
+        target_model = load_model(
+            target, config.dtype, progress=progress, device=device, runtime=config.runtime, knob="dtype"
+        )
     else:
         target_model = target
     draft = None
@@ -196,6 +200,8 @@ def build_engine(
                 head_cut=config.drafter_head_cut,
                 device=device,
                 runtime=config.runtime,
+                knob="drafter_precision",
+                cpu_auto=DRAFTER_CPU_AUTO,
             )
         elif config.drafter_head_cut is not None:  # cutting a caller's model in place would surprise it
             raise ValueError("drafter_head_cut: only for a drafter given by name (cut a loaded one: head_cut.cut_head)")

@@ -11,13 +11,21 @@ from .loading.weights import DEFAULT_DRAFTER, DEFAULT_TARGET
 if TYPE_CHECKING:
     from .k_auto.round_cost import CostProfile
 
+# What drafter_precision "auto" means for a drafter on torch on a CPU: dynamic int8 (the drafter
+# only proposes; strict verification keeps the output the target's).
+DRAFTER_CPU_AUTO = "int8"
+
 
 @dataclass(frozen=True)
 class EngineConfig:
     target: str = DEFAULT_TARGET  # a model name (loading.py), "tiny:<seed>" for tests
     drafter: str | None = DEFAULT_DRAFTER  # None: no draft model (model-free modes only)
-    dtype: str = "auto"  # the target's precision (loading.resolve_precision)
-    drafter_precision: str = "int8"
+    # The target's and the drafter's precision. "auto": the runtime's own (llama.cpp: the GGUF file
+    # as shipped; torch: loading.resolve_precision, a drafter int8 on a CPU). Any other value is
+    # applied (runtime auto then loads that model on torch) or refused (runtime llama.cpp): never
+    # silently ignored (loading.resolve_runtime).
+    dtype: str = "auto"
+    drafter_precision: str = "auto"
     drafter_head_cut: int | None = None  # cut the drafter's lm_head to ids below this (head_cut.py)
     max_batch: int = 8  # sequences per round; also the KV caches' slots
     max_model_len: int = 4096  # clamped to the target's max_position_embeddings

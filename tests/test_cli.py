@@ -36,3 +36,20 @@ def test_generate_names_a_bad_knob():
     done = fly_serve("generate", PROMPT, "--raw", "--mode", "fly", "--theta", "7", *PAIR)
     assert done.returncode != 0
     assert "error:" in done.stderr and "theta" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_generate_refuses_a_precision_that_llama_cpp_cannot_give_and_names_the_flag():
+    """llama.cpp runs a GGUF file at its own quantization: --dtype fp32 there is refused, never
+    silently run at the file's (with --runtime auto it loads the target on torch at fp32:
+    tests/test_llama_runtime.py)."""
+    done = fly_serve("generate", PROMPT, "--raw", "--target", "tiny:0", "--drafter", "tiny:1", "--runtime", "llama.cpp")
+    assert done.returncode == 0, done.stderr  # the same pair on llama.cpp at its own precision runs
+    done = fly_serve(
+        *["generate", PROMPT, "--raw", "--target", "tiny:0", "--drafter", "tiny:1"],
+        "--runtime",
+        "llama.cpp",
+        "--dtype",
+        "fp32",
+    )
+    assert done.returncode != 0 and "Traceback" not in done.stderr
+    assert "error: dtype: runtime llama.cpp" in done.stderr and "fp32" in done.stderr

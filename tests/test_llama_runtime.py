@@ -203,3 +203,20 @@ def test_without_the_native_part_auto_says_why_and_runs_torch_and_llama_cpp_fail
 
 def test_the_tiny_gguf_uses_the_tiny_tokenizers_ids(gguf):
     assert gguf.n_vocab == len(tiny_tokenizer())
+
+
+def test_a_precision_asked_for_loads_torch_under_auto_and_is_refused_on_llama_cpp():
+    """llama.cpp has only the GGUF file's quantization: an explicit dtype or drafter_precision is
+    applied on torch (runtime auto, saying so) or refused naming the knob (runtime llama.cpp)."""
+    notes = []
+    assert resolve_runtime("auto", DEFAULT_TARGET, progress=notes.append, precision="fp32", knob="dtype") == "torch"
+    assert "dtype fp32" in notes[-1]
+    assert resolve_runtime("auto", DEFAULT_TARGET, precision="auto") == "llama.cpp"
+    with pytest.raises(ValueError, match=r"^dtype: runtime llama.cpp runs a GGUF file at its own quantization"):
+        resolve_runtime("llama.cpp", DEFAULT_TARGET, precision="fp32", knob="dtype")
+    with pytest.raises(ValueError, match=r"^drafter_precision: runtime llama.cpp .* drafter_precision int8"):
+        build_engine("tiny:0", "tiny:1", runtime="llama.cpp", drafter_precision="int8", max_batch=1)
+    # the default ("auto") runs on llama.cpp as the file is
+    assert isinstance(
+        load_model("tiny:1", "auto", runtime="llama.cpp"), type(load_model("tiny:0", runtime="llama.cpp"))
+    )

@@ -22,6 +22,7 @@ PROFILES = [
     "llama-70b.yaml",
     "llama-405b.yaml",
     "cpu-multinode.yaml",
+    "cpu-multinode-ha.yaml",
 ]
 TP_PROFILES = PROFILES[2:]  # tp_size > 1: their bundles are in the YAML
 LOCAL_CLUSTER = ROOT / "cluster-local.yaml"  # the node types of tests/test_multinode.py's cluster
@@ -131,7 +132,7 @@ def test_yaml_bundles_equal_what_the_builder_computes(name):
 
 @pytest.mark.parametrize("name", PROFILES)
 def test_profiles_render_without_problems(name):
-    cluster = CLUSTER if name.startswith("llama") or name == "cpu-multinode.yaml" else None
+    cluster = CLUSTER if name.startswith("llama") or name.startswith("cpu-multinode") else None
     assert problems(render_placement(DEPLOYMENTS / name, cluster)) == []
 
 
@@ -145,6 +146,19 @@ def test_cpu_multinode_puts_each_part_on_a_node_type_of_its_own(cluster, target)
     types = {name: d["node_types"] for name, d in rendered["applications"]["fly"]["deployments"].items()}
     assert types == {"FlyIngress": ["head"], "FlyTarget": target, "FlyDrafter": ["drafter_1gpu"]}
     assert problems(rendered) == []
+
+
+@pytest.mark.parametrize(
+    "cluster, target", [(LOCAL_CLUSTER, ["target_2gpu"]), (CLUSTER, ["target_4gpu", "target_8gpu"])]
+)
+def test_cpu_multinode_ha_puts_no_replica_on_the_head(cluster, target):
+    """The profile that survives its head: the ingress on a frontend node, nothing the head could
+    hold (its loss takes only Ray's and Serve's own processes), proxies on every node."""
+    rendered = render_placement(DEPLOYMENTS / "cpu-multinode-ha.yaml", cluster)
+    types = {name: d["node_types"] for name, d in rendered["applications"]["fly"]["deployments"].items()}
+    assert types == {"FlyIngress": ["frontend"], "FlyTarget": target, "FlyDrafter": ["drafter_1gpu"]}
+    assert problems(rendered) == []
+    assert yaml.safe_load((DEPLOYMENTS / "cpu-multinode-ha.yaml").read_text())["proxy_location"] == "EveryNode"
 
 
 def test_render_llama_70b():

@@ -102,3 +102,39 @@ def test_rows_sharing_a_prefix_meet_the_same_drafter_within_a_bound_on_load():
     hot = drafter.assign(many)
     assert max(len(idx) for idx in hot.values()) < 12 and len(hot) > 1
     assert drafter.assign(many) == hot  # pinned: the same groups next round
+
+
+def test_the_live_replica_count_never_waits_for_serves_controller():
+    """A round asks how many drafter replicas live; the answer comes from Serve's controller, which
+    is gone while the head node is down: the round gets the last count at once, one refresh waits
+    on a thread of its own, and its answer counts once it comes (tests/test_head_node_loss.py)."""
+    import threading
+    import time
+
+    from deployments.routing.replica_pool import LiveReplicas
+
+    gate, asked = threading.Event(), []
+
+    def ask():  # a controller that answers only when let
+        asked.append(time.monotonic())
+        assert gate.wait(10)
+        return 3
+
+    live = LiveReplicas("fly", "FlyDrafter", ttl_s=0.0, ask=ask)
+    t0 = time.monotonic()
+    assert [live() for _ in range(50)] == [1] * 50  # the default until an answer came: no wait
+    assert time.monotonic() - t0 < 5.0 and len(asked) == 1  # not the 10 s the ask waits; one at a time
+    gate.set()
+    deadline = time.monotonic() + 10
+    while live() != 3:
+        assert time.monotonic() < deadline, "the answer never counted"
+        time.sleep(0.01)
+
+    def broken():
+        raise RuntimeError("controller gone")
+
+    failing = LiveReplicas("fly", "FlyDrafter", ttl_s=0.0, ask=broken)
+    failing._n = 2
+    for _ in range(20):
+        assert failing() == 2  # a failed ask keeps the last answer
+        time.sleep(0.005)

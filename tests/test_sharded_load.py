@@ -169,12 +169,22 @@ def python(code: str, *args: str) -> str:
     return out.stdout
 
 
+@pytest.fixture(scope="module")
+def target_dir() -> Path:
+    """The default target converted to safetensors (the first use converts it, ~2 min, as any
+    load of it would): when the test runs, not a condition read at collection."""
+    from fly_serve.loading.weights import resolve
+
+    path = Path(resolve(DEFAULT_TARGET))
+    assert path == TARGET_DIR and path.is_dir(), path
+    return path
+
+
 @pytest.mark.real
-@pytest.mark.skipif(not TARGET_DIR.is_dir(), reason=f"{TARGET_DIR} not converted yet")
-def test_real_target_tp2_peak_memory():
+def test_real_target_tp2_peak_memory(target_dir):
     rss, private, weights = {}, {}, {}
     for kind in ("full", "0", "1"):
-        rss[kind], private[kind], weights[kind] = map(float, python(PEAK, kind, str(TARGET_DIR)).split()[-3:])
+        rss[kind], private[kind], weights[kind] = map(float, python(PEAK, kind, str(target_dir)).split()[-3:])
     print(
         f"\nbf16 load of {DEFAULT_TARGET} (MB): peak RSS full {rss['full']:.0f}, rank 0 {rss['0']:.0f}, "
         f"rank 1 {rss['1']:.0f}; peak private memory full {private['full']:.0f}, rank 0 {private['0']:.0f}, "
@@ -190,7 +200,6 @@ def test_real_target_tp2_peak_memory():
 
 
 @pytest.mark.real
-@pytest.mark.skipif(not TARGET_DIR.is_dir(), reason=f"{TARGET_DIR} not converted yet")
 @pytest.mark.parametrize("rank", [0, 1])
-def test_real_target_tp2_equals_tp_shard(rank):
-    python(SAME, str(rank), str(TARGET_DIR))  # fp32, exact; asserts in the child
+def test_real_target_tp2_equals_tp_shard(rank, target_dir):
+    python(SAME, str(rank), str(target_dir))  # fp32, exact; asserts in the child

@@ -38,7 +38,7 @@ class AppArgs(BaseModel):
     drafter: str | None = DEFAULT_DRAFTER  # None: no draft model (model-free modes only)
     tiny: bool = False  # tiny random models ("tiny:0" target, "tiny:1" drafter), for tests
     dtype: str = "auto"
-    drafter_precision: str = "int8"
+    drafter_precision: str = "auto"  # fly_serve.config.EngineConfig: applied or refused, never ignored
     tp_size: int = 1
     max_batch: int = 8
     max_model_len: int = 4096

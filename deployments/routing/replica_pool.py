@@ -132,23 +132,39 @@ def unit_rank(ctx) -> int:
 
 class LiveReplicas:
     """How many replicas of a deployment are running, from Serve's status, asked at most every
-    `ttl_s` (the answer sizes the groups of every round; the controller is not asked per round)."""
+    `ttl_s` (the answer sizes the groups of every round; the controller is not asked per round).
 
-    def __init__(self, app_name: str, deployment: str, ttl_s: float = 2.0):
+    The round never waits for the answer: it gets the last one, and a thread of its own asks
+    Serve's controller. While the controller is gone (its head node died: until the head is back
+    and Serve has recovered, minutes at worst) that ask waits, and rounds go on with the count
+    they had."""
+
+    def __init__(self, app_name: str, deployment: str, ttl_s: float = 2.0, ask=None):
         self.app_name, self.deployment, self.ttl_s = app_name, deployment, ttl_s
+        self.ask = ask or self._running
         self._n, self._at = 1, -math.inf
+        self._asking = False
         self._lock = threading.Lock()
 
     def __call__(self) -> int:
         with self._lock:
-            if time.monotonic() - self._at > self.ttl_s:
-                self._at = time.monotonic()
-                try:
-                    states = serve.status().applications[self.app_name].deployments[self.deployment].replica_states
-                    self._n = max(1, int(states.get("RUNNING", 0)))
-                except Exception as e:  # keep the last answer: routing stays correct either way
-                    log.warning("replica count of %s unknown (%s)", self.deployment, type(e).__name__)
+            if not self._asking and time.monotonic() - self._at > self.ttl_s:
+                self._asking = True
+                threading.Thread(target=self._refresh, name=f"live-{self.deployment}", daemon=True).start()
             return self._n
+
+    def _refresh(self) -> None:
+        try:
+            n = max(1, int(self.ask()))
+        except Exception as e:  # keep the last answer: routing stays correct either way
+            log.warning("replica count of %s unknown (%s)", self.deployment, type(e).__name__)
+            n = None
+        with self._lock:
+            self._n = self._n if n is None else n
+            self._at, self._asking = time.monotonic(), False
+
+    def _running(self) -> int:
+        return serve.status().applications[self.app_name].deployments[self.deployment].replica_states.get("RUNNING", 0)
 
 
 class BusyPolicy:

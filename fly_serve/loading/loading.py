@@ -64,19 +64,32 @@ def resolve_precision(precision: str, device: torch.device | str | None = None, 
     return "bf16" if gpu or cpu_has_bf16() else "fp32"
 
 
-def resolve_runtime(runtime: str, name, device=None, world: int = 1, progress=print) -> str:
+def resolve_runtime(
+    runtime: str, name, device=None, world: int = 1, progress=print, precision: str = "auto", knob: str = "precision"
+) -> str:
     """The model runtime a model runs on: "torch" or "llama.cpp" (llama_runner.py).
 
     "auto": llama.cpp's kernels on a CPU for a model that ships as a GGUF file (the embedded pair,
     a .gguf path), run as shipped; torch elsewhere: on a GPU, for tensor parallelism, for an
     already loaded model, for safetensors checkpoints and for the tiny test models. Without the
     native part (llama-cpp-python not importable) "auto" says why and runs torch; asked for by
-    name, "llama.cpp" fails with that reason."""
+    name, "llama.cpp" fails with that reason.
+
+    A precision asked for (`precision`, the knob `knob`, not "auto") is one llama.cpp cannot give:
+    it runs a GGUF file at the file's own quantization. Under "auto" such a model runs on torch at
+    that precision (a user who asks for fp32 wants fp32's numbers: torch fp32 is where strict
+    decoding gives the target's own greedy text, docs/tuning.md), saying so; with "llama.cpp"
+    asked for by name it is refused, naming the knob. Never one silently ignored."""
     from fly_serve.runtime import llama_runner
 
     if runtime not in RUNTIMES:
         raise ValueError(f"runtime: must be one of {', '.join(RUNTIMES)} (got {runtime!r})")
     if runtime == "llama.cpp":
+        if precision != "auto":
+            raise ValueError(
+                f"{knob}: runtime llama.cpp runs a GGUF file at its own quantization, so {knob} {precision} cannot "
+                f"apply; use {knob} auto, or runtime torch for {precision}"
+            )
         if world > 1:
             raise ValueError("runtime: llama.cpp runs one process per model; tensor parallelism needs runtime torch")
         if device is not None and is_gpu(device):
@@ -89,6 +102,11 @@ def resolve_runtime(runtime: str, name, device=None, world: int = 1, progress=pr
         return "torch"
     if not llama_runner.available():
         progress(f"runtime auto: torch, since {_missing_reason()}")
+        return "torch"
+    if precision != "auto":
+        progress(
+            f"runtime auto: torch for {name}, since {knob} {precision} was asked (llama.cpp runs its GGUF as shipped)"
+        )
         return "torch"
     return "llama.cpp"
 
@@ -120,24 +138,30 @@ def quantize_int8(model):
 
 def load_model(
     name: str,
-    precision: str = "bf16",
+    precision: str = "auto",
     rank: int = 0,
     world: int = 1,
     progress=print,
     head_cut: int | None = None,
     device: torch.device | str | None = None,
     runtime: str = "torch",
+    knob: str = "precision",
+    cpu_auto: str | None = None,
 ):
     """The model `name` at `precision` (tiny models are always fp32), this rank's shard of
     `world`, on `device` (default: this process's, devices.local_device), in eval mode. head_cut:
     keep only the lm_head rows of ids below it and of the tokenizer's added tokens (a drafter's
     option, head_cut.py). runtime "llama.cpp" (or "auto" choosing it, resolve_runtime): a
-    llama_runner.GGUFModel of the file as shipped, at its own quantization (precision unused)."""
-    if resolve_runtime(runtime, name, device, world, progress) == "llama.cpp":
-        return _gguf(name, head_cut, progress)
+    llama_runner.GGUFModel of the file as shipped, at its own quantization, and only with
+    precision "auto" (`knob` names the precision in a refusal). cpu_auto: what "auto" means for
+    this model on torch on a CPU (a drafter's: int8), else resolve_precision's rule."""
     if precision not in PRECISIONS:
-        raise ValueError(f"precision: must be one of {', '.join(PRECISIONS)} (got {precision!r})")
+        raise ValueError(f"{knob}: must be one of {', '.join(PRECISIONS)} (got {precision!r})")
+    if resolve_runtime(runtime, name, device, world, progress, precision, knob) == "llama.cpp":
+        return _gguf(name, head_cut, progress)
     device = torch.device(device) if device is not None else local_device()
+    if precision == "auto" and cpu_auto is not None and not is_gpu(device):
+        precision = cpu_auto
     precision = resolve_precision(precision, device, progress)  # before any refusal: int8 -> bf16 on a GPU
     if precision == "int8" and world > 1:
         raise ValueError("precision: int8 (torch dynamic quantization) runs on one CPU process only; use bf16")
