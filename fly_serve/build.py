@@ -206,7 +206,7 @@ def build_engine(
     Several drafters: drafter a dict {name: model name, loaded model or DrafterSpec}, the first
     the default (EngineConfig.drafters, where set, wins over drafter); a request picks one by
     name, else k auto chooses per row. A drafter given by name may have another tokenizer than
-    the target's (cross_vocab.py); a loaded one must share the target's.
+    the target's (cross_vocab.py); a loaded one of another tokenizer comes as (model, tokenizer).
     k "auto"'s cost profile: speculation_profile if given (an override), else measured here
     (cost_calibration.py; cached per machine, models and versions) when calibrate is True, or
     None and the defaults use k "auto"; otherwise the uncalibrated default shape, which the
@@ -249,26 +249,26 @@ def _named_drafters(drafter, config: EngineConfig) -> dict[str, tuple]:
                 spec = DrafterSpec.coerce(d)
                 out[str(name)] = (spec.model, spec)
             else:
-                out[str(name)] = (d, None)
+                out[str(name)] = (d, DrafterSpec("loaded"))
         return out
     if isinstance(drafter, str):
         (name, spec), *_ = replace(config, drafter=drafter, drafters=None).drafter_specs().items()
         return {name: (spec.model, spec)}
-    return {DEFAULT_DRAFTER_NAME: (drafter, None)}
+    return {DEFAULT_DRAFTER_NAME: (drafter, DrafterSpec("loaded"))}
 
 
 def _drafters_key(named: dict[str, tuple]) -> str | None:
     """The drafters' names for the calibration key: the model's name alone for one drafter (the
     key of a single-drafter engine as it always was), name=model for several."""
-    if not named:
-        return None
-    if len(named) == 1:
-        return model_name(next(iter(named.values()))[0])
-    return ",".join(f"{n}={model_name(m)}" for n, (m, _) in named.items())
+    models = {n: model_name(m[0] if isinstance(m, tuple) else m) for n, (m, _) in named.items()}
+    if len(models) <= 1:
+        return next(iter(models.values()), None)
+    return ",".join(f"{n}={m}" for n, m in models.items())
 
 
-def _drafter(target_model, model, spec: DrafterSpec | None, config: EngineConfig, tokenizer, device, progress):
-    """One drafter of build_engine: loaded by name (with its own tokenizer), or as given."""
+def _drafter(target_model, model, spec: DrafterSpec, config: EngineConfig, tokenizer, device, progress):
+    """One drafter of build_engine: loaded by name (with its own tokenizer), or as given (a model
+    of the target's tokenizer, or (model, tokenizer))."""
     if isinstance(model, str):
         drafter_tok = load_tokenizer(model, progress)
         model = load_model(
@@ -283,5 +283,6 @@ def _drafter(target_model, model, spec: DrafterSpec | None, config: EngineConfig
         return drafter_part(drafter_for(model, config, len(drafter_tok)), tokenizer, drafter_tok, spec)
     if config.drafter_head_cut is not None:  # cutting a caller's model in place would surprise it
         raise ValueError("drafter_head_cut: only for a drafter given by name (cut a loaded one: head_cut.cut_head)")
-    check_widths(target_model, model, tokenizer)
-    return drafter_for(model, config, len(tokenizer))
+    model, drafter_tok = model if isinstance(model, tuple) else (model, tokenizer)
+    check_widths(target_model, model, tokenizer, drafter_tok)
+    return drafter_part(drafter_for(model, config, len(drafter_tok)), tokenizer, drafter_tok, spec)

@@ -106,7 +106,7 @@ def free_key(key: str) -> str:
 def drafter_key(key: str, name: str | None, default: str | None) -> str:
     """Where a row's drafts by the named model drafter keep their acceptance: the row's own key
     for the default drafter, apart for each other one."""
-    return key if name is None or name == default else base_key(key) + DRAFTER + name
+    return base_key(key) if name is None or name == default else base_key(key) + DRAFTER + name
 
 
 def base_key(key: str) -> str:
@@ -229,20 +229,23 @@ class SpeculationPolicy:
 
     def _pick_drafters(self, rows: list[RowInfo]) -> list[RowInfo]:
         """Each model row that may choose (RowInfo.drafters) with the drafter whose plan for the
-        row alone has the best rate, from the row's acceptance with it and its costs (ties: the
-        first listed)."""
+        row alone has the best rate, from the row's acceptance with it and its costs. Plans that
+        tie (all at k = 0: plain decoding beats every drafter now) go to the likeliest-kept
+        drafter, so that the row's probes measure the one most likely to pay (then the first
+        listed)."""
         out = []
         for r in rows:
             if r.source != MODEL or len(r.drafters) < 2:
                 out.append(r)
                 continue
-            best, best_rate = r, -1.0
+            best, best_rate = None, -1.0
             for name in r.drafters:
                 cand = self._with_history(
                     replace(r, key=self.key_of(r.key, name), drafter=name, acceptance=None, tokens_per_forward=None)
                 )
                 rate = plan([cand], self.cost_of(name, 1), overlap=self.overlap).rate
-                if rate > best_rate * (1 + 1e-9):
+                tie = best is not None and abs(rate - best_rate) <= 1e-9 * max(rate, best_rate)
+                if best is None or (rate > best_rate and not tie) or (tie and cand.acceptance > best.acceptance):
                     best, best_rate = cand, rate
             out.append(best)
         return out
