@@ -6,7 +6,7 @@ from ray.serve import Application
 
 from deployments.http.admission import serve_limits
 from deployments.ingress.ingress import Ingress
-from deployments.parts.drafter_replica import DrafterDeployment
+from deployments.parts.drafter_replica import DrafterDeployment, deployment_name
 from deployments.parts.target_replica import TargetDeployment
 from deployments.profiles.app_args import AppArgs
 from deployments.profiles.placement import TP_STRATEGY, tp_bundles
@@ -19,8 +19,8 @@ def build(args: AppArgs | dict | None = None) -> Application:
     a = args if isinstance(args, AppArgs) else AppArgs(**(args or {}))
     config = a.engine_config()
     drafter_app = None
-    if config.drafter and a.drafter_placement == "replica":
-        drafter_app = bind_drafter(a)
+    if config.drafter_specs() and a.drafter_placement == "replica":
+        drafter_app = bind_drafters(a)
     # Serve sheds with a plain-text 503 of its own: it is given room enough that ours sheds first.
     # The proxy routes by X-Session-Id to the unit holding the conversation (unit_router.py); set
     # with one unit too, so that one code path serves every profile.
@@ -52,9 +52,20 @@ def bind_target(a: AppArgs):
     )
 
 
-def bind_drafter(a: AppArgs):
-    """The drafter pool, with the KV budget and, when given, its own autoscaling config."""
+def bind_drafters(a: AppArgs):
+    """One drafter pool per draft model (each its own deployment, scaled on its own busy time:
+    FlyDrafter for the default, FlyDrafter-<name> for each other one): the default's alone where
+    there is one, else {name: pool}."""
+    names = list(a.engine_config().drafter_specs())
+    pools = {name: bind_drafter(a, name, names[0]) for name in names}
+    return pools[names[0]] if len(pools) == 1 else pools
+
+
+def bind_drafter(a: AppArgs, name: str | None = None, default: str | None = None):
+    """A drafter pool, with the KV budget and, when given, its own autoscaling config."""
     dep = DrafterDeployment
+    if name is not None and name != default:
+        dep = dep.options(name=deployment_name(name, default))
     if a.drafter_autoscaling:
         dep = dep.options(autoscaling_config=a.drafter_autoscaling)
-    return dep.bind(a.engine_config(), threads=a.drafter_threads, nice=a.serving_nice)
+    return dep.bind(a.engine_config(), threads=a.drafter_threads, nice=a.serving_nice, drafter=name)

@@ -73,6 +73,15 @@ def add_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--target", default=None, help="model name (default: the embedded target)")
     p.add_argument("--drafter", default=None, help="model name (default: the embedded drafter)")
+    p.add_argument(
+        "--drafters",
+        nargs="+",
+        default=None,
+        metavar="NAME[=MODEL]",
+        help="several drafters in the engines (the first the default), each a known drafter's name (qwen-0.5b, "
+        "gemma-270m) or NAME=MODEL; a method picks one with drafter=NAME (spd:drafter=gemma-270m,cross_vocab=tli), "
+        "k auto chooses among them per row without one (fly:k=auto)",
+    )
     p.add_argument("--dtype", default="auto", help="target precision (auto: bf16 where the hardware has it, else fp32)")
     p.add_argument(
         "--drafter-precision", default="auto", help="auto: the GGUF as shipped on llama.cpp, int8 on torch on a CPU"
@@ -112,6 +121,7 @@ class Bench:
     target_name: str
     drafter_name: str
     runtime: str  # the default engine's: --runtime resolved (loading.resolve_runtime)
+    drafters: dict | None  # --drafters: {name: model} (None: the one drafter, drafter_name)
     max_model_len: int  # the engines' context, and each llama-server slot's
     engines: dict[str, object] = field(default_factory=dict)  # by runtime
     torch_models: tuple | None = None  # (target, drafter or None) in torch, once loaded
@@ -134,10 +144,28 @@ def load_pair(args, methods: list[Method]) -> Bench:
     tokenizer = load_tokenizer(target_name)
     max_model_len = min(4096, load_config(target_name).max_position_embeddings)  # as build_engine clamps it
     runtime = resolve_runtime(args.runtime, target_name, progress=_quiet)
-    bench = Bench(args, methods, tokenizer, target_name, drafter_name, runtime, max_model_len)
+    drafters = parse_drafters(args.drafters)
+    if drafters:
+        drafter_name = next(iter(drafters.values()))
+    bench = Bench(args, methods, tokenizer, target_name, drafter_name, runtime, drafters, max_model_len)
     if any(m.kind == "llama-server" for m in methods):
         bench.server = server_peer(bench)
     return bench
+
+
+def parse_drafters(items: list[str] | None) -> dict[str, str] | None:
+    """--drafters NAME[=MODEL] ... -> {name: model} (a known drafter's name alone names its model)."""
+    from fly_serve.loading.weights import drafter_model
+
+    if not items:
+        return None
+    out = {}
+    for item in items:
+        name, eq, model = item.partition("=")
+        if not name or (eq and not model):
+            raise SystemExit(f"error: --drafters: expected NAME or NAME=MODEL, got {item!r}")
+        out[name] = drafter_model(model if eq else name)
+    return out
 
 
 def server_peer(bench: Bench) -> ServerPeer:
@@ -205,6 +233,9 @@ def engine_on(bench: Bench, runtime: str):
         else:
             target = bench.target_name
             drafter = bench.drafter_name if needs_drafter(bench, runtime) else None
+        if bench.drafters and needs_drafter(bench, runtime):
+            drafter = dict(bench.drafters)  # every drafter by name, loaded on this runtime
+        auto = any(m.kind == "engine" and m.options.get("k") == "auto" for m in bench.methods)
         bench.engines[runtime] = build_engine(
             target,
             drafter,
@@ -215,6 +246,7 @@ def engine_on(bench: Bench, runtime: str):
             max_model_len=bench.max_model_len,
             runtime=runtime,
             progress=_quiet,
+            calibrate=auto,  # k auto's costs (each drafter's too) measured here, cached per machine
         )
     return bench.engines[runtime]
 
@@ -235,6 +267,11 @@ def run_notes(bench: Bench) -> list[str]:
 
     args = bench.args
     notes = [f"pair: target {bench.target_name}, drafter {bench.drafter_name}; default engine runtime {bench.runtime}"]
+    if bench.drafters:
+        notes.append("drafters: " + ", ".join(f"{n} ({m})" for n, m in bench.drafters.items()))
+    for runtime, engine in bench.engines.items():
+        if line := drafter_costs(engine):
+            notes.append(f"runtime {runtime}: {line}")
     by_runtime: dict[str, list[str]] = {}
     for m in bench.methods:
         by_runtime.setdefault(runtime_of(bench, m), []).append(m.label)
@@ -269,6 +306,21 @@ def run_notes(bench: Bench) -> list[str]:
             + "; ".join(f"{label}: `{cmd}`" for label, cmd in bench.server.commands().items())
         )
     return notes + bench.notes
+
+
+def drafter_costs(engine) -> str | None:
+    """Each model drafter's seconds per forward of one row against one one-token target forward,
+    as k auto's calibration measured them here (None: not calibrated)."""
+    profile = engine.policy.profile
+    if profile.source != "measured" or not engine.drafter_names:
+        return None
+    step = engine.policy.cost.verify_s(1)
+    costs = []
+    for name in engine.drafter_names:
+        p = profile.for_drafter(name) if name != engine.default_drafter else profile
+        per = p.draft_per_forward + p.draft_per_row_forward
+        costs.append(f"{name} {per * 1e3:.1f} ms = {per / step:.2f}x")
+    return f"drafter forward (1 row) against a target step ({step * 1e3:.1f} ms), calibrated: " + ", ".join(costs)
 
 
 def _repack_note() -> str:

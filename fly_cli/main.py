@@ -33,9 +33,15 @@ def _base_type(annotation):
     return args[0] if args else annotation
 
 
+# Params fields whose flag is the pair's (pair.py): `--drafter` names the one draft model here
+PAIR_FLAGS = ("drafter",)
+
+
 def add_knobs(p: argparse.ArgumentParser) -> None:
-    """One flag per Params field (params.py is the one list of knobs)."""
+    """One flag per Params field (params.py is the one list of knobs), but PAIR_FLAGS."""
     for f in knobs():
+        if f.name in PAIR_FLAGS:
+            continue
         flag, meta = "--" + f.name.replace("_", "-"), f.metadata
         default = f.default if f.default is not MISSING else f.default_factory()
         if f.type is bool:
@@ -49,7 +55,7 @@ def add_knobs(p: argparse.ArgumentParser) -> None:
 
 
 def params_from(args) -> Params:
-    return Params(**{f.name: getattr(args, f.name) for f in knobs()})
+    return Params(**{f.name: getattr(args, f.name) for f in knobs() if f.name not in PAIR_FLAGS})
 
 
 def generate(args) -> None:
@@ -78,7 +84,8 @@ def generate(args) -> None:
     progress(f"models ready in {time.perf_counter() - t0:.1f} s; generating")
     try:
         prompt = args.prompt if args.raw else chat_prompt(engine.tokenizer, args.prompt)
-        req = engine.add(prompt, params)
+        messages = None if args.raw else [{"role": "user", "content": args.prompt}]  # a drafter's own template
+        req = engine.add(prompt, params, messages=messages)
     except ParamError as e:
         sys.exit(f"error: {e}")
     t0 = time.perf_counter()

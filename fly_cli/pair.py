@@ -4,12 +4,18 @@ A module of its own so that main.py and tune_k.py both import it and not each ot
 import argparse
 
 from fly_serve.loading.loading import DTYPES, PRECISIONS, RUNTIMES
-from fly_serve.loading.weights import DEFAULT_DRAFTER, DEFAULT_TARGET
+from fly_serve.loading.weights import DEFAULT_DRAFTER, DEFAULT_TARGET, DRAFTERS
 
 
 def add_pair(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=DEFAULT_TARGET, help="model name, local directory or hub id")
-    p.add_argument("--drafter", default=DEFAULT_DRAFTER, help="model name, local directory or hub id")
+    known = ", ".join(f"{short} ({model})" for short, model in DRAFTERS.items())
+    p.add_argument(
+        "--drafter",
+        default=DEFAULT_DRAFTER,
+        help=f"the draft model: a known drafter's name ({known}), a model name, local directory or hub id; "
+        "a drafter of another tokenizer than the target's drafts through their shared vocabulary",
+    )
     p.add_argument(
         "--dtype",
         choices=["auto", *DTYPES],

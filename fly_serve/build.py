@@ -1,22 +1,29 @@
 """The one engine factory. Parts are built here from an EngineConfig (`load_scorer`,
 `load_drafter`: the target and drafter replicas call them too), and `assemble_engine` puts an
 Engine together from parts built anywhere (local models, or the Serve ingress's remote proxies),
-so the tokenizer check, the max_model_len clamp and the EOS ids are written once."""
+so the max_model_len clamp and the EOS ids are written once.
+
+A drafter whose tokenizer is the target's drafts in the target's ids (drafters.ModelDrafter); one
+of another tokenizer drafts through the pair's vocabulary map (drafting/cross_vocab.py), built
+once per pair and cached (`drafter_part`). An engine may hold several drafters by name
+(EngineConfig.drafters)."""
 
 from dataclasses import fields, replace
 
 import torch
 
-from .config import DRAFTER_CPU_AUTO, EngineConfig
+from .config import DRAFTER_CPU_AUTO, DrafterSpec, EngineConfig
 from .contracts import Drafter, ModelRunner, Scorer
 from .decision.grammar import Grammars
+from .drafting.cross_vocab import CrossVocabDrafter
 from .drafting.drafters import ModelDrafter
-from .engine.engine import Engine
+from .drafting.vocab_map import VocabMap
+from .engine.engine import DEFAULT_DRAFTER_NAME, Engine
 from .engine.params import Params
 from .k_auto.cost_calibration import calibrate_engine, calibration_key, model_name
 from .loading.head_cut import check_head_cut
 from .loading.loading import eos_ids, load_config, load_model, load_tokenizer
-from .loading.weights import DEFAULT_DRAFTER, DEFAULT_TARGET, check_same_tokenizer
+from .loading.weights import DEFAULT_DRAFTER, DEFAULT_TARGET, cache_dir, check_same_tokenizer
 from .runtime.llama_runner import GGUFModel, LlamaRunner, set_reproducible
 from .runtime.model_scorer import ModelScorer
 from .runtime.runner import Runner
@@ -26,13 +33,34 @@ def logit_width(model) -> int:
     return model.n_vocab if isinstance(model, GGUFModel) else model.config.vocab_size
 
 
-def check_widths(target_model, drafter_model, tokenizer) -> None:
+def check_widths(target_model, drafter_model, tokenizer, drafter_tokenizer=None) -> None:
     """Pairs may differ in logit width (Qwen2.5 0.5B: 151,936; 7B and larger: 152,064) as long as
-    both cover every token the tokenizer can produce; both are cut to the tokenizer's tokens."""
-    n = len(tokenizer)
-    for role, model in (("target", target_model), ("drafter", drafter_model)):
-        if logit_width(model) < n:
-            raise ValueError(f"{role}: {logit_width(model)} logits cannot cover the tokenizer's {n} tokens")
+    both cover every token their tokenizer can produce; both are cut to the tokenizer's tokens.
+    drafter_tokenizer: the drafter's own, where it is not the target's."""
+    for role, model, tok in (
+        ("target", target_model, tokenizer),
+        ("drafter", drafter_model, drafter_tokenizer or tokenizer),
+    ):
+        if logit_width(model) < len(tok):
+            raise ValueError(f"{role}: {logit_width(model)} logits cannot cover the tokenizer's {len(tok)} tokens")
+
+
+def same_tokenizer(target_tok, drafter_tok) -> bool:
+    """Whether the drafter tokenizes exactly as the target (weights.check_same_tokenizer)."""
+    try:
+        check_same_tokenizer(target_tok, drafter_tok)
+        return True
+    except ValueError:
+        return False
+
+
+def drafter_part(inner: ModelDrafter, target_tok, drafter_tok, spec: DrafterSpec) -> Drafter:
+    """The drafter as the engine drafts with it: itself where it shares the target's tokenizer,
+    else through the pair's vocabulary map (cross_vocab.py; the map cached per pair)."""
+    if same_tokenizer(target_tok, drafter_tok):
+        return inner
+    vmap = VocabMap.between(target_tok, drafter_tok, cache_dir())
+    return CrossVocabDrafter(inner, vmap, target_tok, drafter_tok, greedy=spec.greedy, vocab_size=len(target_tok))
 
 
 def runner_for(model, config: EngineConfig, budget_tokens: int | None, tp_group=None) -> ModelRunner:
@@ -81,12 +109,20 @@ def load_scorer(
     return scorer_for(model, config, len(load_tokenizer(config.target, progress)), tp_group, sample=rank == 0)
 
 
-def load_drafter(config: EngineConfig, device=None, progress=print) -> ModelDrafter:
-    """The draft model, its logits cut to the tokenizer's tokens as the target's are."""
+def load_drafter(config: EngineConfig, device=None, progress=print, name: str | None = None) -> Drafter:
+    """A draft model by its name in the config (None: the default, the first), its logits cut to
+    its tokenizer's tokens as the target's are; one of another tokenizer through the pair's
+    vocabulary map (drafter_part)."""
     check_head_cut(config.drafter_head_cut, "drafter_head_cut")
     set_reproducible(config.reproducible)
+    specs = config.drafter_specs()
+    if not specs:
+        raise ValueError("drafter: this config has no draft model")
+    if name is not None and name not in specs:
+        raise ValueError(f"drafter: no drafter named {name!r} (drafters: {', '.join(specs)})")
+    spec = specs[name] if name is not None else next(iter(specs.values()))
     model = load_model(
-        config.drafter,
+        spec.model,
         config.drafter_precision,
         progress=progress,
         head_cut=config.drafter_head_cut,
@@ -95,7 +131,9 @@ def load_drafter(config: EngineConfig, device=None, progress=print) -> ModelDraf
         knob="drafter_precision",
         cpu_auto=DRAFTER_CPU_AUTO,
     )
-    return drafter_for(model, config, len(load_tokenizer(config.drafter, progress)))
+    drafter_tok = load_tokenizer(spec.model, progress)
+    inner = drafter_for(model, config, len(drafter_tok))
+    return drafter_part(inner, load_tokenizer(config.target, progress), drafter_tok, spec)
 
 
 def grammars_for(config: EngineConfig, progress=print) -> Grammars:
@@ -108,13 +146,17 @@ def grammars_for(config: EngineConfig, progress=print) -> Grammars:
 
 
 def assemble_engine(
-    config: EngineConfig, scorer: Scorer, drafter: Drafter | None, tokenizer, target_model=None, progress=print
+    config: EngineConfig,
+    scorer: Scorer,
+    drafter: Drafter | dict[str, Drafter] | None,
+    tokenizer,
+    target_model=None,
+    progress=print,
 ) -> Engine:
-    """An Engine from built parts. target_model: the loaded target when there is one here (else
-    its config and generation config are read by name). A drafter named in the config must share
-    the target's tokenizer: speculative decoding compares token ids."""
-    if drafter is not None and isinstance(config.drafter, str):
-        check_same_tokenizer(tokenizer, load_tokenizer(config.drafter, progress))
+    """An Engine from built parts. drafter: one, or several by name (the first the default).
+    target_model: the loaded target when there is one here (else its config and generation config
+    are read by name). A drafter of another tokenizer drafts through the pair's vocabulary map
+    (load_drafter and build_engine wrap it: drafter_part)."""
     if isinstance(target_model, GGUFModel):  # its config and EOS ids are read by name
         target_model = None
     model_config = target_model.config if target_model is not None else load_config(config.target, progress)
@@ -165,6 +207,10 @@ def build_engine(
     defaults), for callers without one: a knob is named, defaulted and documented once, there.
     device: where models given by name load (default: this process's, devices.local_device).
     A drafter_head_cut is refused with a loaded drafter (cut that with head_cut.cut_head).
+    Several drafters: drafter a dict {name: model name, loaded model or DrafterSpec}, the first
+    the default (EngineConfig.drafters, where set, wins over drafter); a request picks one by
+    name, else k auto chooses per row. A drafter given by name may have another tokenizer than
+    the target's (cross_vocab.py); a loaded one of another tokenizer comes as (model, tokenizer).
     k "auto"'s cost profile: speculation_profile if given (an override), else measured here
     (cost_calibration.py; cached per machine, models and versions) when calibrate is True, or
     None and the defaults use k "auto"; otherwise the uncalibrated default shape, which the
@@ -172,13 +218,10 @@ def build_engine(
     config = with_knobs(config or EngineConfig(), knobs)
     check_head_cut(config.drafter_head_cut, "drafter_head_cut")
     set_reproducible(config.reproducible)  # before any model loads: it picks llama.cpp's kernels
-    names = model_name(target), model_name(drafter)  # for the calibration's key, before loading
+    named = _named_drafters(config.drafters or drafter, config)
+    names = model_name(target), _drafters_key(named)  # for the calibration's key, before loading
     # loaded models are not names: the config keeps names only (None for a loaded part)
-    config = replace(
-        config,
-        target=target if isinstance(target, str) else None,
-        drafter=drafter if isinstance(drafter, str) else None,
-    )
+    config = replace(config, target=target if isinstance(target, str) else None, drafter=None, drafters=None)
     if tokenizer is None:
         if config.target is None:
             raise ValueError("tokenizer: required when the target is an already-loaded model")
@@ -189,34 +232,66 @@ def build_engine(
         )
     else:
         target_model = target
-    draft = None
-    if drafter is not None:
-        if isinstance(drafter, str):
-            check_same_tokenizer(tokenizer, load_tokenizer(drafter, progress))
-            drafter = load_model(
-                drafter,
-                config.drafter_precision,
-                progress=progress,
-                head_cut=config.drafter_head_cut,
-                device=device,
-                runtime=config.runtime,
-                knob="drafter_precision",
-                cpu_auto=DRAFTER_CPU_AUTO,
-            )
-        elif config.drafter_head_cut is not None:  # cutting a caller's model in place would surprise it
-            raise ValueError("drafter_head_cut: only for a drafter given by name (cut a loaded one: head_cut.cut_head)")
-        check_widths(target_model, drafter, tokenizer)
-        draft = drafter_for(drafter, config, len(tokenizer))
-    # the drafter's tokenizer was checked above, against whatever tokenizer the caller gave
+    drafts = {
+        name: _drafter(target_model, model, spec, config, tokenizer, device, progress)
+        for name, (model, spec) in named.items()
+    }
     engine = assemble_engine(
-        replace(config, drafter=None),
-        scorer_for(target_model, config, len(tokenizer)),
-        draft,
-        tokenizer,
-        target_model,
-        progress,
+        config, scorer_for(target_model, config, len(tokenizer)), drafts or None, tokenizer, target_model, progress
     )
     if config.speculation_profile is None and (engine.defaults.auto_k if calibrate is None else calibrate):
         key = calibration_key(config, engine.defaults.k_max, target=names[0], drafter=names[1])
         calibrate_engine(engine, key, progress=progress)
     return engine
+
+
+def _named_drafters(drafter, config: EngineConfig) -> dict[str, tuple]:
+    """build_engine's drafters by name: (model name or loaded model, DrafterSpec) each."""
+    if drafter is None:
+        return {}
+    if isinstance(drafter, dict):
+        out = {}
+        for name, d in drafter.items():
+            if isinstance(d, (str, dict, DrafterSpec)):
+                spec = DrafterSpec.coerce(d)
+                out[str(name)] = (spec.model, spec)
+            else:
+                out[str(name)] = (d, DrafterSpec("loaded"))
+        return out
+    if isinstance(drafter, str):
+        (name, spec), *_ = replace(config, drafter=drafter, drafters=None).drafter_specs().items()
+        return {name: (spec.model, spec)}
+    return {DEFAULT_DRAFTER_NAME: (drafter, DrafterSpec("loaded"))}
+
+
+def _drafters_key(named: dict[str, tuple]) -> str | None:
+    """The drafters' names for the calibration key: the model's name alone for one drafter (the
+    key of a single-drafter engine as it always was), name=model for several."""
+    models = {n: model_name(m[0] if isinstance(m, tuple) else m) for n, (m, _) in named.items()}
+    if len(models) <= 1:
+        return next(iter(models.values()), None)
+    return ",".join(f"{n}={m}" for n, m in models.items())
+
+
+def _drafter(target_model, model, spec: DrafterSpec, config: EngineConfig, tokenizer, device, progress):
+    """One drafter of build_engine: loaded by name (with its own tokenizer), or as given (a model
+    of the target's tokenizer, or (model, tokenizer))."""
+    if isinstance(model, str):
+        drafter_tok = load_tokenizer(model, progress)
+        model = load_model(
+            model,
+            config.drafter_precision,
+            progress=progress,
+            head_cut=config.drafter_head_cut,
+            device=device,
+            runtime=config.runtime,
+            knob="drafter_precision",
+            cpu_auto=DRAFTER_CPU_AUTO,
+        )
+        check_widths(target_model, model, tokenizer, drafter_tok)
+        return drafter_part(drafter_for(model, config, len(drafter_tok)), tokenizer, drafter_tok, spec)
+    if config.drafter_head_cut is not None:  # cutting a caller's model in place would surprise it
+        raise ValueError("drafter_head_cut: only for a drafter given by name (cut a loaded one: head_cut.cut_head)")
+    model, drafter_tok = model if isinstance(model, tuple) else (model, tokenizer)
+    check_widths(target_model, model, tokenizer, drafter_tok)
+    return drafter_part(drafter_for(model, config, len(drafter_tok)), tokenizer, drafter_tok, spec)

@@ -6,7 +6,38 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from .engine.params import Params
-from .loading.weights import DEFAULT_DRAFTER, DEFAULT_TARGET
+from .loading.weights import DEFAULT_DRAFTER, DEFAULT_TARGET, drafter_model, drafter_short_name
+
+GREEDY_METHODS = ("string", "tli")  # cross_vocab.METHODS: how a drafter of another tokenizer drafts greedy rows
+
+
+@dataclass(frozen=True)
+class DrafterSpec:
+    """One named draft model of an engine: the model (a name loading.py knows, or a short name of
+    weights.DRAFTERS), and, for one of another tokenizer, how it drafts greedy rows (cross_vocab.py:
+    "string" re-encodes its text, "tli" drafts only the tokens both vocabularies share)."""
+
+    model: str
+    greedy: str = "string"
+
+    def __post_init__(self):
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError(f"drafters: a drafter's model must be a model name (got {self.model!r})")
+        if self.greedy not in GREEDY_METHODS:
+            raise ValueError(f"drafters: greedy must be one of {', '.join(GREEDY_METHODS)} (got {self.greedy!r})")
+        object.__setattr__(self, "model", drafter_model(self.model))
+
+    @classmethod
+    def coerce(cls, spec) -> "DrafterSpec":
+        if isinstance(spec, DrafterSpec):
+            return spec
+        if isinstance(spec, dict):
+            unknown = sorted(set(spec) - {"model", "greedy"})
+            if unknown:
+                raise ValueError(f"drafters: unknown field {unknown[0]!r} of a drafter (model, greedy)")
+            return cls(**spec)
+        return cls(spec)
+
 
 if TYPE_CHECKING:
     from .k_auto.round_cost import CostProfile
@@ -20,6 +51,10 @@ DRAFTER_CPU_AUTO = "int8"
 class EngineConfig:
     target: str = DEFAULT_TARGET  # a model name (loading.py), "tiny:<seed>" for tests
     drafter: str | None = DEFAULT_DRAFTER  # None: no draft model (model-free modes only)
+    # Several draft models by name, the first the default (`drafter` then unused): {name: model}
+    # or {name: {"model": ..., "greedy": "string" | "tli"}} (DrafterSpec); a request picks one by
+    # name (Params.drafter), else k auto chooses per row
+    drafters: dict | None = None
     # The target's and the drafter's precision. "auto": the runtime's own (llama.cpp: the GGUF file
     # as shipped; torch: loading.resolve_precision, a drafter int8 on a CPU). Any other value is
     # applied (runtime auto then loads that model on torch) or refused (runtime llama.cpp): never
@@ -59,6 +94,15 @@ class EngineConfig:
 
     def params(self) -> Params:
         return Params.from_dict(self.defaults)
+
+    def drafter_specs(self) -> dict[str, DrafterSpec]:
+        """The engine's draft models by name, the default first: `drafters`, else `drafter` alone
+        under its short name ({} without one)."""
+        if self.drafters:
+            return {str(name): DrafterSpec.coerce(spec) for name, spec in self.drafters.items()}
+        if self.drafter is None:
+            return {}
+        return {drafter_short_name(drafter_model(self.drafter)): DrafterSpec(self.drafter)}
 
     @property
     def target_budget(self) -> int | None:

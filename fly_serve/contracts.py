@@ -29,6 +29,15 @@ class RowGrammar:
     start: int  # the sequence position its output begins at (the prompt's length)
 
 
+@dataclass(frozen=True)
+class RowChat:
+    """A chat request's conversation, as a drafter of another tokenizer needs it to render the
+    prompt with its own chat template (cross_vocab.py)."""
+
+    messages: tuple[tuple[str, str], ...]  # (role, content) of each message
+    start: int  # the prompt's length in the target's tokens (the rendered conversation)
+
+
 @dataclass
 class Row:
     key: str  # the request's id: names its KV-cache slot and its random generator
@@ -62,6 +71,12 @@ class Row:
     # Structured output: the row's grammar (None: unconstrained). A part in another process gets
     # it with the row's whole tokens only (row_history.py keeps it with them), so it goes once.
     grammar: RowGrammar | None = None
+    # A chat request's conversation (None: a raw prompt). Travels as the grammar does.
+    chat: RowChat | None = None
+    # A drafter of another vocabulary (cross_vocab.py): how it drafts the row, "tli" (its
+    # distribution limited to the tokens both vocabularies share), "string" (its text re-encoded
+    # by the target's tokenizer) or "auto" (params.CROSS_VOCAB)
+    cross_vocab: str = "auto"
 
     @property
     def sampled(self) -> bool:
@@ -225,6 +240,8 @@ class RoundResult:
     prompt_tokens: int = 0  # prompt tokens of the rows in their first round (the prefix cache's queries)
     prefix_hit_tokens: int = 0  # tokens the target's prefix cache saved feeding, all rows
     draft_prefix_hit_tokens: int = 0  # the same on the drafter
+    # per drafter (a model drafter's name, or a model-free source's kind): [drafted, kept]
+    by_drafter: dict = field(default_factory=dict)
 
     @property
     def batch_size(self) -> int:
@@ -235,6 +252,10 @@ class RoundResult:
         self.advanced += other.advanced
         self.failed += other.failed
         self.drafter_fallback |= other.drafter_fallback
+        for source, (drafted, kept) in other.by_drafter.items():
+            counts = self.by_drafter.setdefault(source, [0, 0])
+            counts[0] += drafted
+            counts[1] += kept
         for name in (
             "drafting_rows",
             "draft_s",

@@ -85,6 +85,7 @@ class _Submit:
     sink: Callable[[Update], None]
     future: Future
     arrival: float  # time.monotonic() when the request arrived, for the time to first token
+    messages: list[dict] | None = None  # a chat request's conversation (a drafter of another tokenizer renders it)
 
 
 @dataclass
@@ -126,6 +127,7 @@ class EngineLoop:
         self.rounds, self.largest_batch = 0, 0
         self.finished: dict[str, int] = {}  # finish_reason -> requests (stop, length, abort, error)
         self.last_round = RoundResult()
+        self.by_drafter: dict[str, list[int]] = {}  # per drafter (or model-free source): [drafted, kept] since start
         self.round_started: float | None = None  # time.monotonic() while a round runs
         self.ready_at = time.monotonic()  # when the loop last woke or ended a round (ingress wait starts)
         self.timeline = {phase: 0.0 for phase in TIMELINE}  # seconds by phase, all rounds since start
@@ -140,10 +142,20 @@ class EngineLoop:
         self.engine: Engine = built.result()
 
     # ---- called from handlers (any thread)
-    def submit(self, prompt, params: Params | dict, request_id: str, sink, arrival: float | None = None) -> Future:
-        """Future of the engine Request, or of the ParamError that rejected it."""
+    def submit(
+        self,
+        prompt,
+        params: Params | dict,
+        request_id: str,
+        sink,
+        arrival: float | None = None,
+        messages: list[dict] | None = None,
+    ) -> Future:
+        """Future of the engine Request, or of the ParamError that rejected it. messages: a chat
+        request's conversation, which the prompt renders (Engine.add)."""
         fut = Future()
-        self._post(_Submit(prompt, params, request_id, sink, fut, time.monotonic() if arrival is None else arrival))
+        arrival = time.monotonic() if arrival is None else arrival
+        self._post(_Submit(prompt, params, request_id, sink, fut, arrival, messages))
         return fut
 
     def check_grammar(self, params: dict) -> None:
@@ -200,6 +212,10 @@ class EngineLoop:
             "k_auto_under_load": k_auto["under_load"],
             "k_auto_probes": k_auto["probes"],
             "draft_sources": self.engine.draft_sources(),
+            # the model drafters by name (the first the default), and per drafter (or model-free
+            # source) the tokens it drafted and the drafts kept since start
+            "drafters": list(self.engine.drafter_names),
+            "by_drafter": {name: {"drafted": d, "kept": k} for name, (d, k) in sorted(self.by_drafter.items())},
             # mean seconds per round by phase; call minus compute is transport
             "timeline": {phase: s / max(self.rounds, 1) for phase, s in self.timeline.items()},
             "last_round": {
@@ -303,7 +319,7 @@ class EngineLoop:
         if not s.future.set_running_or_notify_cancel():
             return  # the client left before its request was admitted
         try:
-            req = self.engine.add(s.prompt, s.params, request_id=s.request_id)
+            req = self.engine.add(s.prompt, s.params, request_id=s.request_id, messages=s.messages)
         except Exception as e:  # a ParamError is the client's 400; anything else its 500
             s.future.set_exception(e)
             return
@@ -337,6 +353,10 @@ class EngineLoop:
         self.rounds += 1
         self.last_round = result
         self.largest_batch = max(self.largest_batch, result.batch_size)
+        for source, (drafted, kept) in result.by_drafter.items():
+            counts = self.by_drafter.setdefault(source, [0, 0])
+            counts[0] += drafted
+            counts[1] += kept
         for phase, seconds in round_timeline(result).items():
             self.timeline[phase] += seconds
         for req in result.advanced:

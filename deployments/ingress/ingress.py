@@ -44,6 +44,7 @@ from deployments.http.openai_api import (
     parse_body,
 )
 from deployments.http.request_ids import Ids
+from deployments.parts.drafter_replica import deployment_name
 from deployments.parts.remote_parts import RemoteDrafter, RemoteScorer
 from deployments.parts.threads import serve_at_priority, threads_from_ray
 from deployments.profiles.app_args import DEFAULT_MAX_WAITING, AppArgs
@@ -105,6 +106,8 @@ async def _validation_error(request: Request, e: RequestValidationError):
 @serve.ingress(api)
 class Ingress:
     def __init__(self, target_handle, drafter_handle=None, *, args: AppArgs):
+        """drafter_handle: the drafter pool (of the default drafter), or {name: pool} for several
+        (app.bind_drafters); None: the draft models in this process (drafter_placement ingress)."""
         serve_at_priority(args.serving_nice)  # first: the engine loop and drafter threads inherit it
         config = args.engine_config()
         self.model_name, self.call_timeout_s, self.max_body_bytes, self.body_timeout_s = (
@@ -123,8 +126,12 @@ class Ingress:
         tokenizer = load_tokenizer(config.target)
         if target_handle is not None:
             target_handle = target_handle.options(multiplexed_model_id=group_tag(unit))
-        self.drafter_handle = drafter_handle
-        local = drafter_handle is None and args.drafter_placement == "ingress" and config.drafter
+        names = list(config.drafter_specs())  # the draft models by name, the default first
+        handles = drafter_handle if isinstance(drafter_handle, dict) else {}
+        if drafter_handle is not None and not handles:
+            handles = {names[0]: drafter_handle}
+        self.drafter_handles = handles
+        local = not handles and args.drafter_placement == "ingress" and bool(names)
 
         def build_engine():
             device = device_for(ray.get_gpu_ids())
@@ -133,16 +140,15 @@ class Ingress:
                 scorer = load_scorer(config, device=device)
             else:
                 scorer = RemoteScorer(target_handle, len(tokenizer), args.call_timeout_s)
-            if drafter_handle is not None:  # one drafting call per live drafter replica each round (replica_pool.py)
-                live = LiveReplicas(ctx.app_name, "FlyDrafter")
-                drafter = RemoteDrafter(drafter_handle, args.affinity_groups, args.call_timeout_s, live)
-            elif local:
+            drafters = {}
+            for name, handle in handles.items():  # one drafting call per live replica of each pool (replica_pool.py)
+                live = LiveReplicas(ctx.app_name, deployment_name(name, names[0]))
+                drafters[name] = RemoteDrafter(handle, args.affinity_groups, args.call_timeout_s, live)
+            if local:
                 if target_handle is not None:  # else the target's threads are the drafter's (one team)
                     set_threads(args.drafter_threads or threads_from_ray())
-                drafter = load_drafter(config, device=device)
-            else:
-                drafter = None
-            return assemble_engine(config, scorer, drafter, tokenizer)
+                drafters = {name: load_drafter(config, device=device, name=name) for name in names}
+            return assemble_engine(config, scorer, drafters or None, tokenizer)
 
         # The loop's thread loads the local parts (drafter, target) and runs every round: the
         # process's torch work on one thread (threads.py). The prober is made next; no round can
@@ -151,11 +157,12 @@ class Ingress:
             build_engine, self.metrics, args.stuck_round_s, on_round_failed=lambda why: self.prober.round_failed(why)
         )
         engine = self.loop.engine
-        self.local_drafter = engine.drafters["model"] if local else None
+        # the draft models in this process, by name (their cache reports)
+        self.local_drafters = {n: engine.model_drafter(n) for n in engine.drafter_names} if local else {}
         self.prompts = PromptEncoder(config.target, engine.max_model_len)
         # ready once every part answers and k auto's cost profile is measured (calibration.py), on
         # the loop's thread too
-        self.prober = Prober(self._parts(target_handle, drafter_handle), on_ready=lambda: self._calibrate(engine, args))
+        self.prober = Prober(self._parts(target_handle, handles), on_ready=lambda: self._calibrate(engine, args))
         self.slots = Slots(args.max_batch + args.max_waiting)
         self.draining = False
 
@@ -168,11 +175,12 @@ class Ingress:
             log.warning("fly: calibration did not run; k auto starts from the default cost shape", exc_info=True)
 
     @staticmethod
-    def _parts(target_handle, drafter_handle) -> list[Part]:
+    def _parts(target_handle, drafter_handles: dict) -> list[Part]:
         """The remote parts the prober watches (a part in this process answers if the loop does)."""
         parts = [] if target_handle is None else [Part("target", lambda: target_handle.healthy.remote())]
-        if drafter_handle is not None:
-            parts.append(Part("drafter pool", lambda: drafter_handle.healthy.remote()))
+        for i, (name, handle) in enumerate(drafter_handles.items()):
+            what = "drafter pool" if i == 0 else f"drafter pool {name}"
+            parts.append(Part(what, lambda h=handle: h.healthy.remote()))
         return parts
 
     # ---- health, readiness, draining
@@ -251,17 +259,20 @@ class Ingress:
             "in_flight": len(self.slots),
             "capacity": self.slots.capacity,
         }
-        if self.drafter_handle is not None or self.local_drafter is not None:
-            out["drafter_cache"] = await self._drafter_cache()
+        names = list(self.local_drafters or self.drafter_handles)
+        if names:  # the default drafter's as it always was, and every drafter's by name
+            reports = {name: await self._drafter_cache(name) for name in names}
+            out["drafter_cache"] = reports[names[0]]
+            out["drafter_caches"] = reports
         return JSONResponse(out)
 
-    async def _drafter_cache(self) -> dict | None:
-        if self.local_drafter is not None:
-            return self.local_drafter.cache_report()
+    async def _drafter_cache(self, name: str) -> dict | None:
+        if name in self.local_drafters:
+            return self.local_drafters[name].cache_report()
         try:
-            return await asyncio.wait_for(self.drafter_handle.cache_report.remote(), self.call_timeout_s)
+            return await asyncio.wait_for(self.drafter_handles[name].cache_report.remote(), self.call_timeout_s)
         except Exception as e:  # stats never fail because a drafter replica is away
-            log.warning("fly: drafter cache report failed (%s)", type(e).__name__)
+            log.warning("fly: drafter %s cache report failed (%s)", name, type(e).__name__)
             return None
 
     @api.post("/v1/completions")
@@ -378,7 +389,8 @@ class Ingress:
         def sink(update: Update) -> None:  # called on the engine thread
             aloop.call_soon_threadsafe(updates.put_nowait, update)
 
-        admitted = asyncio.wrap_future(self.loop.submit(prompt, params, ids.engine, sink, arrival))
+        messages = [m.model_dump() for m in body.messages] if isinstance(body, ChatRequest) else None
+        admitted = asyncio.wrap_future(self.loop.submit(prompt, params, ids.engine, sink, arrival, messages))
         try:
             await self._watch(ids, lambda: asyncio.shield(admitted))
         except ParamError as e:

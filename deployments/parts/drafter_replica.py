@@ -16,6 +16,7 @@ drafts by prompt lookup meanwhile (a drafter failure never fails a request).
 
 import asyncio
 import os
+import re
 import threading
 import time
 
@@ -39,10 +40,18 @@ PROBE_TIMEOUT_S = 20.0  # the calls before it done (no call stuck) and one token
 HEALTH_CHECK_PERIOD_S = 5.0
 HEALTH_CHECK_TIMEOUT_S = 30.0
 PROBE_KEY = "health-probe"  # the llama.cpp probe's row, released at once
+DEPLOYMENT = "FlyDrafter"  # the default drafter's pool; another's is FlyDrafter-<its name>
+
+
+def deployment_name(name: str | None, default: str | None) -> str:
+    """The Serve deployment of the drafter of this name (the engine's default: DEPLOYMENT)."""
+    if name is None or name == default:
+        return DEPLOYMENT
+    return f"{DEPLOYMENT}-{re.sub(r'[^A-Za-z0-9_.-]', '_', name)}"
 
 
 @serve.deployment(
-    name="FlyDrafter",
+    name=DEPLOYMENT,
     ray_actor_options={"num_cpus": 0.5},
     max_ongoing_requests=16,
     # no access-log line for each round's call: on a CPU node every line wakes the log monitor,
@@ -69,16 +78,18 @@ class DrafterDeployment:
         threads: int | None = None,
         nice: int | None = None,
         probe_timeout_s: float = PROBE_TIMEOUT_S,
+        drafter: str | None = None,
     ):
+        """drafter: which of the config's draft models (by name; None: the default)."""
         serve_at_priority(nice)  # before the model loads: every thread started later inherits it
         self.probe_timeout_s = probe_timeout_s
 
         def load():
             set_threads(threads or threads_from_ray())
-            return load_drafter(config, device=device_for(ray.get_gpu_ids()))  # Ray's GPU, else the CPU
+            return load_drafter(config, device=device_for(ray.get_gpu_ids()), name=drafter)  # Ray's GPU, else the CPU
 
-        # the ingress checks that the drafter's tokenizer is the target's (build.assemble_engine);
-        # loaded, drafting and probed on one thread: one OpenMP team (threads.py)
+        # one of another tokenizer than the target's drafts through their vocabulary map
+        # (build.drafter_part); loaded, drafting and probed on one thread: one OpenMP team (threads.py)
         self.drafter = on_torch_thread(load)
         # structured output: constrained rows drafted under their grammar (Row.grammar), with a
         # matcher per row here; the ingress's engine keeps the authoritative one

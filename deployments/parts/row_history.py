@@ -8,13 +8,14 @@ replica, a row moved to another drafter replica, a call that failed halfway) ref
 with `RowsUnknown`, and the sender sends those rows whole. What the parts then do with the full
 rows is unchanged: the KV cache's content-addressed rule (kv_cache.py) stays the one rule, so a
 row put back together is exactly the row that would have been sent whole. A constrained row's
-grammar (Row.grammar) travels the same way: with the row's whole tokens only, kept with them.
+grammar (Row.grammar) and a chat row's conversation (Row.chat) travel the same way: with the
+row's whole tokens only, kept with them.
 """
 
 from collections import OrderedDict
 from dataclasses import replace
 
-from fly_serve.contracts import Row, RowGrammar
+from fly_serve.contracts import Row, RowChat, RowGrammar
 
 
 class RowsUnknown(LookupError):
@@ -44,6 +45,7 @@ class RowHistory:
         self.max_rows = max_rows
         self._tokens: OrderedDict[str, list[int]] = OrderedDict()
         self._grammars: dict[str, RowGrammar] = {}  # the constrained rows' grammars, as sent whole
+        self._chats: dict[str, RowChat] = {}  # the chat rows' conversations, as sent whole
 
     def whole(self, rows: list[Row]) -> list[Row]:
         """The rows with all their tokens; raises RowsUnknown (holding nothing new) if any is
@@ -58,19 +60,24 @@ class RowHistory:
             tokens = self._tokens[r.key][: r.start] + r.tokens if r.start else list(r.tokens)
             self._tokens[r.key] = tokens
             self._tokens.move_to_end(r.key)
-            if not r.start:  # sent whole: its grammar (or none) came with it
-                self._grammars.pop(r.key, None)
-                if r.grammar is not None:
-                    self._grammars[r.key] = r.grammar
-            out.append(replace(r, tokens=tokens, start=0, grammar=r.grammar or self._grammars.get(r.key)))
+            if not r.start:  # sent whole: its grammar and conversation (or none) came with it
+                for held, value in ((self._grammars, r.grammar), (self._chats, r.chat)):
+                    held.pop(r.key, None)
+                    if value is not None:
+                        held[r.key] = value
+            grammar, chat = r.grammar or self._grammars.get(r.key), r.chat or self._chats.get(r.key)
+            out.append(replace(r, tokens=tokens, start=0, grammar=grammar, chat=chat))
         while len(self._tokens) > self.max_rows:
-            self._grammars.pop(self._tokens.popitem(last=False)[0], None)
+            key = self._tokens.popitem(last=False)[0]
+            self._grammars.pop(key, None)
+            self._chats.pop(key, None)
         return out
 
     def release(self, keys: list[str]) -> None:
         for k in keys:
             self._tokens.pop(k, None)
             self._grammars.pop(k, None)
+            self._chats.pop(k, None)
 
 
 class RowSender:
@@ -85,8 +92,8 @@ class RowSender:
         out = []
         for r in rows:
             start = self._sent.get(r.key, 0)
-            if 0 < start <= len(r.tokens):  # without the grammar: the receiver holds it from the whole call
-                r = replace(r, tokens=r.tokens[start:], start=start, grammar=None)
+            if 0 < start <= len(r.tokens):  # without grammar and chat: the receiver holds them from the whole call
+                r = replace(r, tokens=r.tokens[start:], start=start, grammar=None, chat=None)
             out.append(r)
         return out
 

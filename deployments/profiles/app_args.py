@@ -8,7 +8,7 @@ from typing import Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
-from fly_serve.config import EngineConfig
+from fly_serve.config import DrafterSpec, EngineConfig
 from fly_serve.loading.weights import DEFAULT_DRAFTER, DEFAULT_TARGET
 
 from .placement import DEFAULT_TP_WORKER_OPTIONS
@@ -36,6 +36,11 @@ class AppArgs(BaseModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
     target: str = DEFAULT_TARGET
     drafter: str | None = DEFAULT_DRAFTER  # None: no draft model (model-free modes only)
+    # Several draft models by name, the first the default (`drafter` then unused), each its own
+    # deployment and pool (FlyDrafter, FlyDrafter-<name>), scaled on its own busy time: {name:
+    # model} or {name: {model: ..., greedy: string | tli}}; a request picks one (fly.drafter), else
+    # k auto chooses per row. A drafter of another tokenizer drafts through the shared vocabulary.
+    drafters: dict | None = None
     tiny: bool = False  # tiny random models ("tiny:0" target, "tiny:1" drafter), for tests
     dtype: str = "auto"
     drafter_precision: str = "auto"  # fly_serve.config.EngineConfig: applied or refused, never ignored
@@ -117,7 +122,17 @@ class AppArgs(BaseModel):
             )
         return self
 
-    @field_validator("tp_worker_options", "defaults", "speculation_profile", "drafter_autoscaling", mode="before")
+    @field_validator("drafters", mode="after")
+    @classmethod
+    def _drafter_specs(cls, v):
+        """Each drafter's spec checked now (a bad one fails the build, naming it)."""
+        for spec in (v or {}).values():
+            DrafterSpec.coerce(spec)
+        return v
+
+    @field_validator(
+        "tp_worker_options", "defaults", "speculation_profile", "drafter_autoscaling", "drafters", mode="before"
+    )
     @classmethod
     def _json_from_cli(cls, v):
         """`serve run deployments.app:build key=value` passes strings: dicts come as JSON."""

@@ -147,6 +147,10 @@ class ModelDrafter:
         self.proposals_kept: dict[str, list[int]] = {}
         self.hits = 0  # rows whose KV cache this drafter already held (session affinity)
         self.misses = 0
+        # Rows whose logits are limited (a drafter of another vocabulary drafting by TLI:
+        # cross_vocab.py): key -> an additive mask [V], 0 where a token may be drafted, -inf
+        # elsewhere, applied before any read of the logits (drafts, q, MLA's checks, the stop).
+        self.limits: dict[str, torch.Tensor] = {}
 
     def cache_report(self) -> dict:
         """How often a row found its KV cache here warm, and the forwards since start (stats)."""
@@ -222,6 +226,7 @@ class ModelDrafter:
         logits, _ = self.runner.feed([rows[b].key for b in idx], [rows[b].tokens for b in idx], tail=[1] * len(idx))
         self.forwards += 1
         logits = logits[:, :1, : self.vocab_size]  # [len(idx), 1, V]
+        self._limit([rows[b] for b in idx], logits)
         if any(matchers[b] for b in idx):
             apply_masks(logits, [matchers[b].mask()[None] if matchers[b] else None for b in idx])
         nxt = logits[:, 0].argmax(-1).tolist()  # [len(idx)]
@@ -266,6 +271,7 @@ class ModelDrafter:
             [r.key for r in rows], [c + p for c, p in zip(contexts, proposals)], tail=[1 + len(p) for p in proposals]
         )
         logits = logits[..., : self.vocab_size]
+        self._limit(rows, logits)
         if any(m is not None for m in masks):  # every later read (argmax, q, confidence) is the masked one
             apply_masks(logits, masks)
         self.forwards += 1
@@ -294,6 +300,14 @@ class ModelDrafter:
             if r.sampled:  # q goes to the verifier, maybe through Ray: host memory is its wire format
                 qs[b].extend(probs(logits[b, : min(a + 1, room)], r.temperature, r.top_p).cpu())
         return unsure
+
+    def _limit(self, rows: list[Row], logits: torch.Tensor) -> None:
+        """Each limited row's logits [B, T, V] plus its mask (self.limits), in place."""
+        with torch.inference_mode():  # the runner's logits are inference tensors
+            for b, r in enumerate(rows):
+                mask = self.limits.get(r.key)
+                if mask is not None:
+                    logits[b] += mask
 
     def _carried(self, rows: list[Row], proposals: list[list[int]], matchers: list[Matcher | None]) -> list[list[int]]:
         """The proposals a forward carries: all of them, or where they do not pay (lookups_pay)
@@ -344,3 +358,4 @@ class ModelDrafter:
         for key in keys:
             self.bets.pop(key, None)
             self.proposals_kept.pop(key, None)
+            self.limits.pop(key, None)

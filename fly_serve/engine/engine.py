@@ -12,6 +12,13 @@ and output as one sequence, so a request like an earlier one is continued from i
 within a token bound that evicts the oldest; the token recycler takes the target's top-k ids at
 every verified position of every round (Verdict.topk), whatever the rows' modes.
 
+Several drafters: the engine may hold more than one draft model, by name (the first is the
+default; each may be of another tokenizer: drafting/cross_vocab.py). A request names one
+(Params.drafter) or lets k auto choose each round, per row, by the row's acceptance with each and
+each one's cost (speculation_policy.py); rows of one round may draft with different ones, each
+drafter drafting its rows in one call. Each request's stats and each round say which drafter (or
+model-free source) drafted how many tokens and how many were kept.
+
 Draft-ahead (draft_ahead.py, EngineConfig.draft_ahead): the round becomes a pipeline of two
 stages on two threads. While the target verifies round r, the drafter drafts round r+1 for every
 row that bets, on the guess that the verdict keeps all of round r's drafts and that the bonus is
@@ -27,7 +34,7 @@ from dataclasses import replace
 
 import torch
 
-from fly_serve.contracts import Drafter, Drafts, RoundResult, Row, RowGrammar, Scorer
+from fly_serve.contracts import Drafter, Drafts, RoundResult, Row, RowChat, RowGrammar, Scorer
 from fly_serve.decision.grammar import GrammarFailed, Grammars, Matcher
 from fly_serve.decision.verify import decide, plausible_mask, window_positions
 from fly_serve.drafting.draft_ahead import Ahead, DraftAhead, Sequential, Stages, bets
@@ -44,6 +51,8 @@ from .params import ParamError, Params
 from .request_stats import RequestStats
 
 log = logging.getLogger("fly_serve.engine.engine")
+
+DEFAULT_DRAFTER_NAME = "drafter"  # the name of a single model drafter given without one
 
 
 def _at(per_row: list[int] | None, b: int) -> int:
@@ -83,7 +92,9 @@ class Request:
         self.streamed = 0  # characters of text already handed out by delta()
         self.detokenizer = IncrementalText(tokenizer)
         self.matcher: Matcher | None = None  # its grammar's state after `tokens` (structured output)
-        self.drafter_seen = 0  # tokens the model drafter had when it last drafted this row
+        self.chat: RowChat | None = None  # a chat request's conversation (a drafter of another tokenizer renders it)
+        self.drafter: str | None = None  # the model drafter drafting it now (by name; None: the default)
+        self.drafter_seen: dict[str | None, int] = {}  # per model drafter, the tokens it had when it last drafted
 
     @property
     def generated(self) -> list[int]:
@@ -106,7 +117,7 @@ class Engine:
     def __init__(
         self,
         scorer: Scorer,
-        drafter: Drafter | None,
+        drafter: Drafter | dict[str, Drafter] | None,
         tokenizer,
         eos_ids=(),
         max_batch: int = 8,
@@ -125,14 +136,19 @@ class Engine:
         # (vocab x top_k int32) are allocated on first use.
         self.suffix_index = SuffixIndex(max_tokens=suffix_max_tokens)
         self.recycler = TokenRecycling(scorer.vocab_size, top_k=recycle_top_k)
+        # The model drafters by name, the default first: drafters["model"] is the default, `others`
+        # the rest (a single drafter given unnamed is DEFAULT_DRAFTER_NAME)
+        named = drafter if isinstance(drafter, dict) else {} if drafter is None else {DEFAULT_DRAFTER_NAME: drafter}
+        self.drafter_names: tuple[str, ...] = tuple(named)
+        self.others: dict[str, Drafter] = dict(list(named.items())[1:])
         self.drafters: dict[str, Drafter | None] = {
             "pld": LookupDrafter(),
             "suffix": SourceDrafter(self.suffix_index),
             "recycle": SourceDrafter(self.recycler),
-            "model": drafter,
+            "model": next(iter(named.values()), None),
         }
-        if drafter is not None:  # each drafter says what it does with them (contracts.Drafter)
-            drafter.share_sources({"suffix": self.suffix_index, "recycle": self.recycler})
+        for d in named.values():  # each drafter says what it does with them (contracts.Drafter)
+            d.share_sources({"suffix": self.suffix_index, "recycle": self.recycler})
         # A model row's free alternative (_free_offer) looks up at least two tokens of context: a
         # one-token match proposes mostly noise in prose, and each try costs a wider verification.
         self.free_lookup = PromptLookup(min_n=2)
@@ -140,13 +156,15 @@ class Engine:
         self.grammars = Grammars(tokenizer, scorer.vocab_size, self.eos_ids)  # structured output
         # whether the model drafter drafts under a row's grammar (its drafts then legal, so a
         # constrained row may bet under draft-ahead); a drafter without the method does not
-        share = getattr(drafter, "share_grammars", None)
-        self.drafter_sees_grammar = bool(share and share(self.grammars))
+        sees = {name: getattr(d, "share_grammars", None) for name, d in named.items()}
+        self.sees_grammar = {name: bool(share and share(self.grammars)) for name, share in sees.items()}
+        self.drafter_sees_grammar = self.sees_grammar.get(self.default_drafter, False)
         self.max_batch, self.max_model_len = max_batch, max_model_len
         self.defaults = defaults or Params()
         # k "auto": the round's cost model (measured where it runs: cost_calibration.py) and each
         # row's acceptance
         self.policy = SpeculationPolicy.from_profile(speculation_profile)
+        self.policy.set_drafters(self.drafter_names)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._ids = itertools.count()
@@ -178,21 +196,39 @@ class Engine:
         self.policy.set_overlap(on)
 
     @property
+    def default_drafter(self) -> str | None:
+        return self.drafter_names[0] if self.drafter_names else None
+
+    def model_drafter(self, name: str | None) -> Drafter | None:
+        """The model drafter of this name (None or the default's: drafters["model"])."""
+        return self.drafters["model"] if name is None or name == self.default_drafter else self.others.get(name)
+
+    @property
     def stages(self) -> Stages | None:
         """Draft-ahead's two threads (None: sequential), for the calibration that times each side."""
         return self.pipeline.stages
 
     # ---- requests in and out
     def add(
-        self, prompt: str | list[int], params: Params | dict | None = None, request_id: str | None = None
+        self,
+        prompt: str | list[int],
+        params: Params | dict | None = None,
+        request_id: str | None = None,
+        messages: list[dict] | None = None,
     ) -> Request:
-        """Queue a request; raises ParamError naming the bad field (nothing else is affected)."""
-        req = self.admit(prompt, params, request_id)
+        """Queue a request; raises ParamError naming the bad field (nothing else is affected).
+        messages: a chat request's conversation, which `prompt` is the rendering of (a drafter of
+        another tokenizer renders it with its own template)."""
+        req = self.admit(prompt, params, request_id, messages)
         self.waiting.append(req)
         return req
 
     def admit(
-        self, prompt: str | list[int], params: Params | dict | None = None, request_id: str | None = None
+        self,
+        prompt: str | list[int],
+        params: Params | dict | None = None,
+        request_id: str | None = None,
+        messages: list[dict] | None = None,
     ) -> Request:
         """A checked Request, not yet queued: everything that could break a round is caught here."""
         params = self.defaults.merged(params or {}) if not isinstance(params, Params) else params
@@ -210,8 +246,15 @@ class Engine:
             )
         if params.mode_spec.source and self.drafters[params.mode_spec.source] is None:
             raise ParamError("mode", f"{params.mode!r} needs a draft model and this engine has none")
+        if params.drafter is not None and params.drafter not in self.drafter_names:
+            known = ", ".join(self.drafter_names) or "none"
+            raise ParamError("drafter", f"no drafter named {params.drafter!r} here (drafters: {known})")
         req = Request(request_id or f"req-{next(self._ids)}", prompt, params, self.tokenizer)
         req.matcher = self.grammars.matcher(params)
+        req.drafter = params.drafter
+        if messages:
+            turns = tuple((str(m.get("role", "")), str(m.get("content") or "")) for m in messages)
+            req.chat = RowChat(turns, len(prompt))
         return req
 
     def abort(self, request_id: str) -> None:
@@ -259,7 +302,7 @@ class Engine:
 
     def kv_capacity(self) -> int | None:
         """Tokens every part's KV cache can hold at once (the smallest), None if unknown."""
-        parts = [self.scorer, self.drafters["model"]]
+        parts = [self.scorer, self.drafters["model"], *self.others.values()]
         known = [c for c in (getattr(p, "kv_capacity_tokens", None) for p in parts if p is not None) if c]
         return min(known) if known else None
 
@@ -337,6 +380,7 @@ class Engine:
         kept, y = accept_len.tolist(), verdict.y.tolist()
         committed = [self._commit(req, drafts.tokens[b][: kept[b]] + [y[b][kept[b]]]) for b, req in enumerate(batch)]
         self._account(batch, drafts, verdict, kept, loosely, committed, clock, fallback, result)
+        self._by_source(batch, rows, free, drafts, kept, result)
         self.policy.record(self._trace(batch, rows, held, free, drafts, kept, result))
         self.pipeline.settle(batch, made, kept, y, result, self.policy.observe_guess)
         return result
@@ -368,11 +412,35 @@ class Engine:
             result.prefix_hit_tokens += hit
             result.draft_prefix_hit_tokens += draft_hit
 
-    @staticmethod
-    def _trace(batch, rows: list[Row], held, free: dict, drafts: Drafts, kept: list[int], result) -> RoundTrace:
+    def _source(self, req: Request, row: Row, free: dict) -> str | None:
+        """What drafted the row this round: a model drafter's name, a model-free source's kind
+        (a model row's free drafts: its first MLA source), None for plain decoding."""
+        kind = req.params.mode_spec.source
+        if kind != "model":
+            return kind
+        if row.key in free:
+            return free[row.key]
+        return req.drafter or self.default_drafter
+
+    def _by_source(self, batch, rows: list[Row], free: dict, drafts: Drafts, kept: list[int], result) -> None:
+        """Each drafter's (and model-free source's) drafts and kept drafts, in the request's stats
+        and the round's."""
+        named = {rows[b].key: name for b, (name, _) in free.items()}
+        for b, req in enumerate(batch):
+            n = len(drafts.tokens[b])
+            source = self._source(req, rows[b], named)
+            if n and source is not None:
+                req.stats.add_source(source, n, kept[b])
+                counts = result.by_drafter.setdefault(source, [0, 0])
+                counts[0] += n
+                counts[1] += kept[b]
+
+    def _trace(self, batch, rows: list[Row], held, free: dict, drafts: Drafts, kept: list[int], result) -> RoundTrace:
         """What k auto learns from the round: per row how it drafted and what it kept."""
+        default = self.default_drafter
+        model = [req.params.mode_spec.source == "model" and b not in free for b, req in enumerate(batch)]
         return RoundTrace(
-            [free_key(r.key) if b in free else r.key for b, r in enumerate(rows)],
+            [free_key(r.key) if b in free else self.policy.key_of(r.key, batch[b].drafter) for b, r in enumerate(rows)],
             [len(d) for d in drafts.tokens],
             kept,
             [PLD if b in free else req.params.mode_spec.source or NONE for b, req in enumerate(batch)],
@@ -382,6 +450,7 @@ class Engine:
             row_forwards=drafts.row_forwards,
             ahead=[h is not None for h in held],
             prefilled=any(req.stats.rounds == 1 for req in batch),
+            others=any(m and req.drafter not in (None, default) for m, req in zip(model, batch)),
         )
 
     # ---- draft-ahead (drafting/draft_ahead.py): the bets
@@ -397,6 +466,8 @@ class Engine:
             # then a token the grammar allows) and drafts all legal: a sampled refused draft, kept
             # for its rejection (_constrain), is sure to lose the bet.
             free = req.matcher is None or (self.drafter_sees_grammar and _all_legal(drafts, b))
+            # the pipeline's drafter is the default one (draft_ahead.py): another's rows make no bet
+            free = free and req.drafter in (None, self.default_drafter)
             if k > 0 and free and bets(row, req.params.mode_spec.source) and not self.eos_ids.intersection(d):
                 idx.append(b)
                 bet_rows.append(replace(row, tokens=row.tokens + d, k=k, peek=True, guessed=len(d)))
@@ -428,12 +499,13 @@ class Engine:
         "auto" row keeps this round's)."""
         return max(0, min(k_now if req.params.auto_k else req.params.k_cap, self._room(req, n_new)))
 
-    def _choose_ks(self, batch: list[Request], rows: list[Row], held: list[Ahead | None]) -> dict[int, list[int]]:
+    def _choose_ks(self, batch: list[Request], rows: list[Row], held: list[Ahead | None]) -> dict[int, tuple]:
         """k "auto" rows get this round's k from the policy, which weighs every row's expected
         tokens against the round's predicted seconds; fixed-k rows, and rows whose drafts were
         made ahead, share the round as they are. A model row may instead draft what its
         model-free sources propose (no drafter forward) where the policy predicts that faster:
-        returns those rows' drafts, by row index."""
+        returns those rows' (source, drafts), by row index. A row that may use several model
+        drafters gets the one the policy chose (Request.drafter)."""
         if not any(r.params.auto_k for r in batch):
             return {}
         fixed = [not req.params.auto_k or h is not None for req, h in zip(batch, held)]
@@ -448,29 +520,41 @@ class Engine:
                 row.k,
                 req.params.mode_spec.source or NONE,
                 fixed=f,
-                free_k=len(offers.get(b, [])),
-                drafter_lag=len(req.tokens) - req.drafter_seen,
+                free_k=len(offers.get(b, (None, []))[1]),
+                drafter_lag=len(req.tokens) - req.drafter_seen.get(req.drafter or self.default_drafter, 0),
+                drafter=req.drafter,
+                drafters=self._choices(req, held[b]),
             )
             for b, (req, row, f) in enumerate(zip(batch, rows, fixed))
         ]
         ks = self.policy.choose(infos)
         free = {}
-        for b, (row, k, f) in enumerate(zip(rows, ks, fixed)):
+        for b, (req, row, k, f) in enumerate(zip(batch, rows, ks, fixed)):
+            if self.policy.drafter_of[b] is not None:
+                req.drafter = self.policy.drafter_of[b]
             if f:
                 continue
-            row.k, row.min_confidence = k, self.policy.min_confidence(row.key)
+            row.k, row.min_confidence = k, self.policy.min_confidence(self.policy.key_of(row.key, req.drafter))
             if self.policy.free[b] and k > 0:
-                free[b] = offers[b][:k]
+                free[b] = (offers[b][0], offers[b][1][:k])
         return free
 
-    def _free_offer(self, row: Row) -> list[int]:
-        """Up to row.k drafts from the row's first MLA source that proposes any (drafters.py)."""
+    def _choices(self, req: Request, held: Ahead | None) -> tuple[str, ...]:
+        """The drafters k auto may choose a row's among: every one, unless the request names one
+        or its drafts were made ahead (by the default drafter)."""
+        if req.params.drafter is not None or held is not None or len(self.drafter_names) < 2:
+            return ()
+        return self.drafter_names
+
+    def _free_offer(self, row: Row) -> tuple[str | None, list[int]]:
+        """Up to row.k drafts from the row's first MLA source that proposes any (drafters.py),
+        with the source's name."""
         sources = {"pld": self.free_lookup, "suffix": self.suffix_index, "recycle": self.recycler}
         for name in row.mla_sources:
             got = sources[name].propose(row.tokens, row.k)
             if got:
-                return got
-        return []
+                return name, got
+        return None, []
 
     def _row(self, req: Request) -> Row:
         p = req.params
@@ -491,49 +575,55 @@ class Engine:
             row_share=self.policy.row_share(),
             mla_sources=p.mla_levels,
             grammar=grammar,
+            chat=req.chat,
+            cross_vocab=p.cross_vocab,
         )
 
     def _draft(
-        self, batch: list[Request], rows: list[Row], held: list[Ahead | None], free: dict[int, list[int]]
+        self, batch: list[Request], rows: list[Row], held: list[Ahead | None], free: dict[int, tuple]
     ) -> tuple[Drafts, bool]:
         """Drafts for every row, and whether the model drafter failed this round. Its compute
         seconds, where a remote drafter reports them, ride along (Drafts.compute_s). A failed
         drafter's rows get prompt-lookup drafts (exact at any temperature: a one-hot q), and the
         next round tries the drafter again: rows carry all their tokens, so they never depend on it."""
         drafts, fallback = Drafts.empty(len(rows)), False
-        for kind, drafter in self.drafters.items():
-            idx = [
-                b
-                for b, r in enumerate(batch)
-                if r.params.mode_spec.source == kind and rows[b].k and held[b] is None and b not in free
-            ]
-            if not idx:
-                continue
+        groups: dict[tuple[str, str | None], list[int]] = {}  # (kind, model drafter) -> its rows
+        for b, r in enumerate(batch):
+            kind = r.params.mode_spec.source
+            if kind and rows[b].k and held[b] is None and b not in free:
+                name = (r.drafter or self.default_drafter) if kind == "model" else None
+                groups.setdefault((kind, name), []).append(b)
+        for (kind, name), idx in groups.items():
+            drafter = self.model_drafter(name) if kind == "model" else self.drafters[kind]
             try:
-                if kind == "model":  # with draft-ahead, on the drafter's thread (its budget)
+                if drafter is self.drafters["model"]:  # with draft-ahead, on the drafter's thread (its budget)
                     got = self.pipeline.draft(drafter.propose, [rows[b] for b in idx])
                 else:
                     got = drafter.propose([rows[b] for b in idx])
             except Exception:
                 if kind != "model":  # the model-free sources run here: their failure is a bug
                     raise
-                log.warning("drafter failed; prompt lookup drafts this round", exc_info=True)
+                log.warning("drafter %s failed; prompt lookup drafts its rows this round", name, exc_info=True)
                 fallback = True
                 got = self.drafters["pld"].propose([rows[b] for b in idx])
+                got.forwards = 0
+                kind = "fallback"
             for i, b in enumerate(idx):
                 drafts.tokens[b], drafts.q[b] = got.tokens[i], got.q[i]
-            if kind == "model" and not fallback:  # the forwards k "auto" costs and learns MLA from
+            if kind == "model":  # the forwards k "auto" costs and learns MLA from
                 for b in idx:
-                    batch[b].drafter_seen = len(batch[b].tokens)
-                drafts.forwards, drafts.compute_s = got.forwards, got.compute_s
+                    batch[b].drafter_seen[name] = len(batch[b].tokens)
+                drafts.forwards += got.forwards
+                if got.compute_s is not None:
+                    drafts.compute_s = (drafts.compute_s or 0.0) + got.compute_s
                 drafts.prefix_hit_tokens = _spread(drafts.prefix_hit_tokens, len(rows), idx, got.prefix_hit_tokens)
                 drafts.row_forwards = _spread(drafts.row_forwards, len(rows), idx, got.row_forwards)
-        for b, d in free.items():  # proposed by the row's model-free sources (_choose_ks): q one-hot
+        for b, (_, d) in free.items():  # proposed by the row's model-free sources (_choose_ks): q one-hot
             drafts.tokens[b] = d
         ahead = [b for b, a in enumerate(held) if a is not None]  # made while the last round was verified
         for b in ahead:
             drafts.tokens[b], drafts.q[b] = held[b].drafts, held[b].q
-            batch[b].drafter_seen = len(batch[b].tokens)
+            batch[b].drafter_seen[self.default_drafter] = len(batch[b].tokens)
         reported = [b for b in ahead if held[b].forwards is not None]
         drafts.row_forwards = _spread(drafts.row_forwards, len(rows), reported, [held[b].forwards for b in reported])
         self._constrain(batch, drafts)
@@ -633,7 +723,7 @@ class Engine:
             if req.finish_reason != "error":  # an aborted output is still the target's text
                 self.suffix_index.add(req.tokens)
         self.policy.release(done)
-        for part in (self.scorer, *self.drafters.values()):
+        for part in (self.scorer, *self.drafters.values(), *self.others.values()):
             if part is None:
                 continue
             try:  # a cache on a dead or replaced replica is gone anyway; LRU reclaims the rest

@@ -23,6 +23,10 @@ MAX_K = 64
 # Model-free draft sources (drafters.py): prompt lookup over the row's own tokens, the suffix index
 # over earlier requests of this engine, Token Recycling from the target's own earlier top-k.
 MLA_SOURCES = ("pld", "suffix", "recycle")
+# How a drafter of another tokenizer drafts (drafting/cross_vocab.py): "tli" its distribution
+# limited to the tokens both vocabularies share, "string" its text re-encoded by the target's
+# tokenizer; "auto": TLI for a sampling row, the drafter's greedy method for a greedy one
+CROSS_VOCAB = ("auto", "tli", "string")
 
 
 @dataclass(frozen=True)
@@ -94,6 +98,18 @@ class Params:
         "pld",
         "MLA proposal sources, comma-separated, tried in this order at each drafter forward (the first "
         f"that proposes wins): {', '.join(MLA_SOURCES)}",
+    )
+    drafter: str | None = knob(
+        None,
+        "the draft model to draft with, by the name the server gives it (GET /v1/fly/stats lists them); "
+        "none: k auto picks each round among them (with a fixed k: the first)",
+    )
+    cross_vocab: str = knob(
+        "auto",
+        "how a drafter of another tokenizer drafts: tli (its distribution limited to the tokens both "
+        "vocabularies share), string (its text re-encoded by the target's tokenizer; greedy drafts), "
+        "auto (tli when sampling, else the drafter's own rule)",
+        choices=CROSS_VOCAB,
     )
     temperature: float = knob(0.0, f"sampling temperature in [0, 100] (below {SAMPLING_EPS}: greedy)", api="openai")
     top_p: float = knob(1.0, "nucleus sampling", api="openai")
@@ -207,6 +223,10 @@ class Params:
         for name in ("regex", "grammar"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
                 bad(name, "must be a string")
+        if self.drafter is not None and (not isinstance(self.drafter, str) or not self.drafter):
+            bad("drafter", "must be a drafter's name")
+        if self.cross_vocab not in CROSS_VOCAB:
+            bad("cross_vocab", f"must be one of {', '.join(CROSS_VOCAB)}")
         levels = self.mla_levels
         if not levels or any(s not in MLA_SOURCES for s in levels) or len(set(levels)) != len(levels):
             bad("mla_sources", f"must be distinct names from {', '.join(MLA_SOURCES)}, comma-separated")

@@ -1,6 +1,6 @@
 """One request's counters, in the vocabulary of verify.py, and the paper's Table 1 time split."""
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 
 @dataclass
@@ -32,6 +32,9 @@ class RequestStats:
     # structured output: drafts the engine cut because the grammar refused them (or a draft before
     # them); a drafter that drafts under the grammar leaves only model-free proposals to cut
     grammar_cut: int = 0
+    # per drafter (a model drafter's name, or a model-free source's kind): its drafts and the
+    # drafts of them kept (accepted + loosely accepted)
+    by_drafter: dict = field(default_factory=dict)
 
     def add_round(self, drafted: int, accepted: int, loosely: int, round_) -> None:
         """Count one round: `accepted` exact and `loosely` kept of `drafted` drafts; round_ gives
@@ -48,6 +51,11 @@ class RequestStats:
         self.decide_s += round_.decide_s
         self.verify_wait_s += round_.verify_wait_s
         self.draft_wait_s += round_.draft_wait_s
+
+    def add_source(self, source: str, drafted: int, kept: int) -> None:
+        counts = self.by_drafter.setdefault(source, {"drafted": 0, "kept": 0})
+        counts["drafted"] += drafted
+        counts["kept"] += kept
 
     def add_prefix_hits(self, target: int, drafter: int) -> None:
         self.prefix_hit_tokens += target

@@ -32,6 +32,11 @@ class RowInfo:
     # Tokens the model drafter must prefill before it can draft this row (it has not drafted
     # since these were committed): what a probe of a row left at k = 0 pays first
     drafter_lag: int = 0
+    # A model row's drafter by name (None: the engine's default), and the drafters k auto may
+    # choose it among (speculation_policy.choose: by the row's acceptance with each and each
+    # one's cost); () or one name: no choice
+    drafter: str | None = None
+    drafters: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.source not in KINDS:

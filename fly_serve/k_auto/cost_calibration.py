@@ -255,14 +255,15 @@ def _under(stages, side: str, load, fn, *args):
 
 
 def measure_profile(
-    scorer, drafter, *, k_max: int, max_batch: int, reps: int = 3, progress=print, stages=None
+    scorer, drafter, *, k_max: int, max_batch: int, reps: int = 3, progress=print, stages=None, others=None
 ) -> CostProfile:
     """Time the target (and the drafter, if any) through their protocols in `reps` passes; a
     progress line per point and pass. The timing rows are released from both parts afterwards.
     stages (draft_ahead.Stages, an engine with draft-ahead): each side is timed on its own thread
     while the other side works on its own (a drafter drafting one row, a target verifying one row
     of k_max drafts), so the curves are what a draft-ahead round sees when the two share the
-    machine."""
+    machine. others: an engine's other model drafters by name, each timed as the drafter is (alone,
+    after it), their e, c, d in the profile's `drafters`."""
     if reps < 1:
         raise ValueError(f"reps: at least one pass over the shapes (got {reps})")
     started = time.perf_counter()
@@ -291,7 +292,9 @@ def measure_profile(
         # their difference (the 8-row shapes come last); a pass takes seconds.
         drafting = drafter is not None
         draft_passes: dict[int, list[tuple[float, float, float]]] = {b: [] for b in batch_rows}  # rows -> per pass
-        done, total = 0, reps * (len(shapes) + (len(batch_rows) if drafting else 0))
+        others = dict(others or {}) if drafting else {}
+        other_passes = {name: {b: [] for b in batch_rows} for name in others}
+        done, total = 0, reps * (len(shapes) + (len(batch_rows) * (1 + len(others)) if drafting else 0))
         for n in range(1, reps + 1):
             for b, t in shapes:
                 took = _under(stages, "verify", draft_load, time_verify, scorer, rows[:b], t - 1, gen)
@@ -309,24 +312,29 @@ def measure_profile(
                     f"calibrating k auto: pass {n}/{reps}, drafter, {b} rows in a forward: "
                     f"{reading[0] * 1e3:.1f} ms ({done}/{total})"
                 )
+            for name, other in others.items():
+                for b in batch_rows:
+                    reading = time_draft(other, rows[:b])
+                    other_passes[name][b].append(reading)
+                    done += 1
+                    progress(
+                        f"calibrating k auto: pass {n}/{reps}, drafter {name}, {b} rows in a forward: "
+                        f"{reading[0] * 1e3:.1f} ms ({done}/{total})"
+                    )
         table = lower_envelope([[grid[b, t] for t in widths] for b in batch_rows])  # [R, T]
         grid = {(b, t): float(table[i, j]) for i, b in enumerate(batch_rows) for j, t in enumerate(widths)}
         points = verify_points(k_max, max_batch)  # the token curve: one row, then rows of k_max drafts
         tokens, seconds = [b * (k + 1) for b, k in points], [grid[b, k + 1] for b, k in points]
         e, c, d, draft_rows, draft_seconds = 0.0, 0.0, 0.0, [], []
         if drafting:
-            # a per-forward cost is a difference of two calls, so noise can move it either way:
-            # the median of the passes (where noise swamped it, <= 0: the plain average instead),
-            # then the lower envelope across row counts
             draft_rows = list(batch_rows)
-            per_pass = [draft_passes[b] for b in batch_rows]
-            medians = [statistics.median(f for f, _, _ in p) for p in per_pass]
-            medians = [m if m > 0 else statistics.median(a for _, _, a in p) for m, p in zip(medians, per_pass)]
-            draft_seconds = [float(x) for x in lower_envelope(medians)]
-            c, d = fit_per_forward(draft_rows, draft_seconds)
-            e = statistics.median(x for p in per_pass for _, x, _ in p)
+            e, c, d, draft_seconds = _draft_fit(draft_passes, batch_rows)
+        other_costs = {}
+        for name in others:
+            oe, oc, od, _ = _draft_fit(other_passes[name], batch_rows)
+            other_costs[name] = {"per_round": oe, "per_forward": oc, "per_row_forward": od}
     finally:
-        for part in (scorer, drafter):
+        for part in (scorer, drafter, *(others or {}).values()):
             if part is not None:
                 part.release([*keys, LOAD_KEY])
     took = time.perf_counter() - started
@@ -346,7 +354,21 @@ def measure_profile(
             **({"overlap": True} if stages is not None else {}),
         },
         BatchVerify(batch_rows, widths, [[grid[b, t] for t in widths] for b in batch_rows]),
+        other_costs,
     )
+
+
+def _draft_fit(passes: dict[int, list[tuple[float, float, float]]], batch_rows: list[int]):
+    """(e, c, d, seconds per forward by rows) of one drafter's readings. A per-forward cost is a
+    difference of two calls, so noise can move it either way: the median of the passes (where
+    noise swamped it, <= 0: the plain average instead), then the lower envelope across row counts."""
+    per_pass = [passes[b] for b in batch_rows]
+    medians = [statistics.median(f for f, _, _ in p) for p in per_pass]
+    medians = [m if m > 0 else statistics.median(a for _, _, a in p) for m, p in zip(medians, per_pass)]
+    seconds = [float(x) for x in lower_envelope(medians)]
+    c, d = fit_per_forward(batch_rows, seconds)
+    e = statistics.median(x for p in per_pass for _, x, _ in p)
+    return e, c, d, seconds
 
 
 # ---- the engine's entry point
@@ -364,6 +386,7 @@ def calibrate_engine(
         profile = measure_profile(
             engine.scorer,
             engine.drafters.get("model"),
+            others=getattr(engine, "others", None),
             k_max=int(key["k_max"]),
             max_batch=int(key["max_batch"]),
             reps=reps,

@@ -42,7 +42,7 @@ sum_b (k_b + 1) on the one-row curve.
 """
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -89,9 +89,11 @@ class BatchVerify:
 @dataclass
 class CostProfile:
     """A round's costs as measured on one machine (seconds). verify_tokens / verify_seconds: the
-    target forward by tokens in it (all rows together); draft_*: e, c, d of the module docstring;
-    overhead_s: the rest of a round (decide, commit); source: where it was measured (free text);
-    verify_batch: the forward by batch shape (BatchVerify), which prices rounds where present."""
+    target forward by tokens in it (all rows together); draft_*: e, c, d of the module docstring
+    (of the engine's default drafter); overhead_s: the rest of a round (decide, commit); source:
+    where it was measured (free text); verify_batch: the forward by batch shape (BatchVerify),
+    which prices rounds where present; drafters: the other model drafters' own e, c, d by their
+    names ({"per_round", "per_forward", "per_row_forward"}), for an engine with several."""
 
     verify_tokens: list[float]
     verify_seconds: list[float]
@@ -102,6 +104,7 @@ class CostProfile:
     source: str = ""
     extra: dict = field(default_factory=dict)  # what the measurement saw (points, key), kept verbatim
     verify_batch: BatchVerify | None = None
+    drafters: dict = field(default_factory=dict)
 
     def __post_init__(self):
         if len(self.verify_tokens) != len(self.verify_seconds):
@@ -124,6 +127,10 @@ class CostProfile:
             },
             "overhead_s": _sig(self.overhead_s),
         }
+        if self.drafters:
+            out["drafters"] = {
+                name: {k: _sig(v) for k, v in sorted(coef.items())} for name, coef in sorted(self.drafters.items())
+            }
         if self.source:
             out["source"] = self.source
         if self.extra:
@@ -149,6 +156,19 @@ class CostProfile:
             str(d.get("source", "")),
             dict(d.get("extra", {})),
             BatchVerify.from_dict(v["batch"]) if "batch" in v else None,
+            {name: {k: float(x) for k, x in coef.items()} for name, coef in d.get("drafters", {}).items()},
+        )
+
+    def for_drafter(self, name: str | None) -> "CostProfile":
+        """This profile with the named drafter's draft costs (its own, where measured)."""
+        coef = self.drafters.get(name) if name is not None else None
+        if coef is None:
+            return self
+        return replace(
+            self,
+            draft_per_round=float(coef.get("per_round", 0.0)),
+            draft_per_forward=float(coef.get("per_forward", 0.0)),
+            draft_per_row_forward=float(coef.get("per_row_forward", 0.0)),
         )
 
     @classmethod

@@ -30,6 +30,16 @@ two rows or more (with a batch table to price it), the rows at the plan's widest
 draft one more, and the next time one fewer (a width step; the plan's k's neighbours are what
 the plan weighs it against, so a step costs little where the plan is right).
 
+Several drafters. An engine with more than one model drafter (each a model of its own, maybe of
+another tokenizer: drafting/cross_vocab.py) lets k auto choose a row's drafter each round, among
+those the row may use (RowInfo.drafters): each drafter keeps the row's acceptance apart
+(drafter_key) and has its own draft costs (the profile's `drafters`, measured at calibration), so
+the row drafts with the one whose plan alone has the best rate, and its free drafts still compete
+with it (_best_sources). The drafters a row does not use age back towards the prior, as its free
+drafts do, so a drafter written off is tried again. A round whose rows use several drafters is
+planned with the costs of the drafter most of them use; the cost check and UnderLoad (which price
+the default drafter) learn only from rounds drafted by the default drafter alone.
+
 Exploration. A row the plan leaves at k = 0 for `probe_every` rounds in a row (with a frozen profile,
 a gap that doubles after each probe that did not pay, up to max_probe_every, and at least long
 enough that probes cost `probe_budget` of the time, the drafter's catch-up of the tokens it missed
@@ -60,6 +70,7 @@ log = logging.getLogger("fly_serve.k_auto.speculation_policy")
 
 
 FREE = "\x00free"
+DRAFTER = "\x00d:"
 
 
 @dataclass
@@ -83,12 +94,24 @@ class RoundTrace:
     row_forwards: list[int] | None = None
     ahead: list[bool] | None = None
     prefilled: bool = False
+    others: bool = False  # a model row drafted with a drafter other than the default (no cost check)
 
 
 def free_key(key: str) -> str:
     """Where a model row's free drafts (RowInfo.free_k) keep their acceptance, apart from its
     model drafts: a prompt lookup is kept far more or less often than the drafter's guess."""
-    return key + FREE
+    return base_key(key) + FREE
+
+
+def drafter_key(key: str, name: str | None, default: str | None) -> str:
+    """Where a row's drafts by the named model drafter keep their acceptance: the row's own key
+    for the default drafter, apart for each other one."""
+    return base_key(key) if name is None or name == default else base_key(key) + DRAFTER + name
+
+
+def base_key(key: str) -> str:
+    """The row's own key of a free_key or drafter_key."""
+    return key.split("\x00", 1)[0]
 
 
 class SpeculationPolicy:
@@ -137,10 +160,35 @@ class SpeculationPolicy:
         # Draft-ahead (the engine sets it): a round costs max(draft, verify) plus the drafting of
         # the rows whose bet was lost (allocator.plan, round_cost.round_seconds).
         self.overlap = False
+        # The engine's model drafters by name, the default first (set_drafters); per row of the
+        # round last chosen, the drafter it drafts with (None: not a model row, or not chosen)
+        self.drafter_names: tuple[str, ...] = ()
+        self.drafter_of: list[str | None] = []
+        self._drafter_costs: dict[str, RoundCostModel] = {}
 
     @classmethod
     def from_profile(cls, profile: CostProfile | dict | None, **tracker_kw) -> "SpeculationPolicy":
         return cls(RoundCostModel(profile), AcceptanceTracker(**tracker_kw))
+
+    def set_drafters(self, names) -> None:
+        """The engine's model drafters by name, the default first."""
+        self.drafter_names = tuple(names)
+
+    @property
+    def default_drafter(self) -> str | None:
+        return self.drafter_names[0] if self.drafter_names else None
+
+    def key_of(self, key: str, drafter: str | None) -> str:
+        return drafter_key(key, drafter, self.default_drafter)
+
+    def cost_of(self, drafter: str | None, n_rows: int) -> RoundCostModel:
+        """The cost model of a round of n_rows drafted by the named drafter: the default's
+        (cost_for), or another's own draft costs on the same target curve."""
+        if drafter is None or drafter == self.default_drafter or drafter not in self.profile.drafters:
+            return self.cost_for(n_rows)
+        if drafter not in self._drafter_costs:
+            self._drafter_costs[drafter] = RoundCostModel(self.profile.for_drafter(drafter))
+        return self._drafter_costs[drafter]
 
     def set_overlap(self, on: bool) -> None:
         """Draft-ahead on or off: a round then costs the longer of drafting and verifying."""
@@ -155,6 +203,7 @@ class SpeculationPolicy:
         request, besides the cost check. measured_here: timed on this engine's own parts, so
         frozen (the check stays off) until the next explicit call."""
         self.cost = RoundCostModel(profile)
+        self._drafter_costs.clear()
         self.check.reset()
         self.under_load.reset()
         self.frozen = measured_here
@@ -163,18 +212,49 @@ class SpeculationPolicy:
     def choose(self, rows: list[RowInfo]) -> list[int]:
         """Every row's k for this round; a row's unset acceptance and tokens per forward come from
         its own earlier rounds."""
-        tracker = self.tracker
-        rows = [
-            replace(
-                r,
-                acceptance=tracker.estimate(r.key) if r.acceptance is None else r.acceptance,
-                tokens_per_forward=r.tokens_per_forward or tracker.tokens_per_forward(r.key),
-            )
-            for r in rows
-        ]
-        cost = self.cost_for(len(rows))
+        rows = [self._with_history(replace(r, key=self.key_of(r.key, r.drafter))) for r in rows]
+        rows = self._pick_drafters(rows)
+        self.drafter_of = [r.drafter if r.source == MODEL else None for r in rows]
+        cost = self.cost_of(self._round_drafter(rows), len(rows))
         self.last, rows, self.free = self._best_sources(rows, cost)
         return self._probe(rows, self._step_width(rows, list(self.last.ks), cost))
+
+    def _with_history(self, r: RowInfo) -> RowInfo:
+        """The row with its unset acceptance and tokens per forward from its key's rounds."""
+        return replace(
+            r,
+            acceptance=self.tracker.estimate(r.key) if r.acceptance is None else r.acceptance,
+            tokens_per_forward=r.tokens_per_forward or self.tracker.tokens_per_forward(r.key),
+        )
+
+    def _pick_drafters(self, rows: list[RowInfo]) -> list[RowInfo]:
+        """Each model row that may choose (RowInfo.drafters) with the drafter whose plan for the
+        row alone has the best rate, from the row's acceptance with it and its costs. Plans that
+        tie (all at k = 0: plain decoding beats every drafter now) go to the likeliest-kept
+        drafter, so that the row's probes measure the one most likely to pay (then the first
+        listed)."""
+        out = []
+        for r in rows:
+            if r.source != MODEL or len(r.drafters) < 2:
+                out.append(r)
+                continue
+            best, best_rate = None, -1.0
+            for name in r.drafters:
+                cand = self._with_history(
+                    replace(r, key=self.key_of(r.key, name), drafter=name, acceptance=None, tokens_per_forward=None)
+                )
+                rate = plan([cand], self.cost_of(name, 1), overlap=self.overlap).rate
+                tie = best is not None and abs(rate - best_rate) <= 1e-9 * max(rate, best_rate)
+                if best is None or (rate > best_rate and not tie) or (tie and cand.acceptance > best.acceptance):
+                    best, best_rate = cand, rate
+            out.append(best)
+        return out
+
+    def _round_drafter(self, rows: list[RowInfo]) -> str | None:
+        """The drafter whose costs price the round: the one most of its model rows use."""
+        used = [r.drafter for r in rows if r.source == MODEL and r.drafter is not None]
+        order = {n: i for i, n in enumerate(self.drafter_names)}
+        return max(dict.fromkeys(used), key=lambda n: (used.count(n), -order.get(n, len(order))), default=None)
 
     def _best_sources(self, rows: list[RowInfo], cost: RoundCostModel) -> tuple[Plan, list[RowInfo], list[bool]]:
         """The plan of the round, with each model row drafting by the draft model or, where that is
@@ -197,7 +277,7 @@ class SpeculationPolicy:
 
     def _as_free(self, r: RowInfo) -> RowInfo:
         key = free_key(r.key)
-        return RowInfo(key, r.free_k, PLD, self.tracker.estimate(key), 1.0, fixed=False)
+        return RowInfo(key, r.free_k, PLD, self.tracker.estimate(key), 1.0, fixed=False, drafter=r.drafter)
 
     def cost_for(self, n_rows: int) -> RoundCostModel:
         """The model a round of n_rows is planned from: the frozen one for a row alone, UnderLoad's
@@ -294,13 +374,17 @@ class SpeculationPolicy:
         per_row = t.row_forwards if t.row_forwards is not None else [None] * len(t.keys)
         now = [not a for a in t.ahead] if t.ahead is not None else [True] * len(t.keys)
         self.tracker.observe_round(t.keys, t.drafted, t.kept, [f if m else None for f, m in zip(per_row, model)])
-        for key in t.keys:  # a model row's other source ages too, so that one bad round is not forever
-            self.tracker.age(key[: -len(FREE)] if key.endswith(FREE) else free_key(key))
+        for key in t.keys:  # a model row's other sources age too, so that one bad round is not forever
+            for other in self._sources_of(key):
+                if other != key:
+                    self.tracker.age(other)
         rows_in_forwards = sum(
             (f if f is not None else min(t.forwards, math.ceil(n / self.tracker.tokens_per_forward(key) - 1e-9)))
             for key, n, f, m, here in zip(t.keys, t.drafted, per_row, model, now)
             if m and n > 0 and here
         )
+        if t.others:  # priced by another drafter's costs: what the default's checks would misread
+            return
         if len(t.keys) < 2 or t.prefilled:
             self.under_load.skip()
         else:
@@ -345,11 +429,15 @@ class SpeculationPolicy:
             "probes": self.probes,
         }
 
+    def _sources_of(self, key: str) -> list[str]:
+        """Every key a row keeps acceptance under: its own, its free drafts', each other drafter's."""
+        base = base_key(key)
+        return [base, free_key(base), *(self.key_of(base, n) for n in self.drafter_names[1:])]
+
     def release(self, keys):
         for key in keys:
-            self.tracker.forget(key)
-            self.tracker.forget(free_key(key))
-            for k in (key, free_key(key)):
+            for k in self._sources_of(key):
+                self.tracker.forget(k)
                 self._idle.pop(k, None)
                 self._gap.pop(k, None)
                 self._probing.discard(k)

@@ -1,6 +1,7 @@
 """The one way to load a model: a name in, a ready model (or tokenizer, config, EOS ids) out.
 
-A name is "tiny:N" (a tiny random model, tiny.py), an embedded default model, a local
+A name is "tiny:N" or "tiny-sp:N" (a tiny random model, of the byte-level or the SentencePiece-like
+tokenizer: tiny.py), an embedded default model, a local
 directory or a hub id (weights.resolve). Precision: "auto" (resolve_precision), "bf16", "fp32", or "int8" (torch dynamic
 quantization with per-channel weights, CPU only: a drafter's precision), quantized once and kept
 in the cache (weights.converted_path), so a start loads it instead of quantizing again. int8 asked
@@ -24,21 +25,35 @@ from fly_serve.runtime.devices import is_gpu, local_device
 
 from .head_cut import check_head_cut, cut_head
 from .sharded_load import load_shard
-from .tiny import poisoned, tiny_model, tiny_tokenizer
+from .tiny import poisoned, tiny_model, tiny_sp_tokenizer, tiny_sp_vocab_size, tiny_tokenizer
 from .weights import cache_dir, converted_path, gguf_file, load_converted, resolve, resolve_meta
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 PRECISIONS = ("auto", "bf16", "fp32", "int8")
 RUNTIMES = ("auto", "torch", "llama.cpp")
 # "tiny:N": a tiny random model; "tiny:N:poison": one whose forward fails on tiny.POISON_ID, so
-# that a test can send a request that fails for its own reasons (tiny.poisoned)
-_TINY = re.compile(r"tiny:(\d+)(:poison)?$")
+# that a test can send a request that fails for its own reasons (tiny.poisoned); "tiny-sp:N": one of
+# the SentencePiece-like tokenizer (another model family's)
+_TINY = re.compile(r"tiny(-sp)?:(\d+)(:poison)?$")
 
 
 def tiny_seed(name: str) -> int | None:
-    """The seed of a "tiny:N" name, else None."""
-    m = _TINY.match(name)
-    return int(m.group(1)) if m else None
+    """The seed of a "tiny:N" (or "tiny-sp:N") name, else None."""
+    m = _TINY.match(name) if isinstance(name, str) else None
+    return int(m.group(2)) if m else None
+
+
+def tiny_sp(name: str) -> bool:
+    """Whether a tiny name is of the SentencePiece-like tokenizer ("tiny-sp:N")."""
+    return isinstance(name, str) and name.startswith("tiny-sp:") and tiny_seed(name) is not None
+
+
+def _tiny(name: str):
+    """The tiny random model of a tiny name, its ids those of its tokenizer."""
+    seed = tiny_seed(name)
+    if tiny_sp(name):
+        return tiny_model(seed, vocab_size=tiny_sp_vocab_size(), eos_token_id=1, pad_token_id=0, bos_token_id=2)
+    return tiny_model(seed)
 
 
 def cpu_has_bf16() -> bool:
@@ -171,7 +186,7 @@ def load_model(
     if seed is None and world > 1:  # only this rank's slices are ever read (sharded_load.py)
         return load_shard(resolve(name, progress), DTYPES[precision], rank, world, device)
     if seed is not None:
-        model = _cut(tiny_model(seed), name, head_cut, progress)
+        model = _cut(_tiny(name), name, head_cut, progress)
         if name.endswith(":poison"):
             poisoned(model)
     elif precision == "int8":
@@ -206,10 +221,11 @@ def gguf_path(name: str, progress=print):
         if name.endswith(":poison"):
             raise ValueError("runtime: a poisoned tiny model is a torch module; use runtime torch")
         tag = f"torch{torch.__version__}-tf{transformers.__version__}"
-        path = cache_dir() / "converted" / f"tiny-{seed}-{re.sub(r'[^A-Za-z0-9_.+-]', '_', tag)}.gguf"
+        family = "tiny-sp" if tiny_sp(name) else "tiny"
+        path = cache_dir() / "converted" / f"{family}-{seed}-{re.sub(r'[^A-Za-z0-9_.+-]', '_', tag)}.gguf"
         if not path.is_file():
             path.parent.mkdir(parents=True, exist_ok=True)
-            write_tiny_gguf(seed, path)
+            write_tiny_gguf(seed, path, sp=tiny_sp(name))
         return path
     path = gguf_file(name, progress)
     if path is None:
@@ -242,24 +258,22 @@ def _cut(model, name: str, head_cut: int | None, progress):
 
 def load_tokenizer(name: str, progress=print):
     if tiny_seed(name) is not None:
-        return tiny_tokenizer()
+        return tiny_sp_tokenizer() if tiny_sp(name) else tiny_tokenizer()
     return AutoTokenizer.from_pretrained(resolve_meta(name, progress))
 
 
 def load_config(name: str, progress=print):
     """The model's config without its weights (context length, vocabulary width)."""
-    seed = tiny_seed(name)
-    if seed is not None:
-        return tiny_model(seed).config
+    if tiny_seed(name) is not None:
+        return _tiny(name).config
     return AutoConfig.from_pretrained(resolve_meta(name, progress))
 
 
 def eos_ids(name_or_model, tokenizer) -> set[int]:
     """EOS ids of a model: its generation config's plus the tokenizer's."""
     if isinstance(name_or_model, str):
-        seed = tiny_seed(name_or_model)
-        if seed is not None:
-            gen = tiny_model(seed).generation_config
+        if tiny_seed(name_or_model) is not None:
+            gen = _tiny(name_or_model).generation_config
         else:
             try:
                 gen = GenerationConfig.from_pretrained(resolve_meta(name_or_model))

@@ -1,6 +1,8 @@
-"""Tiny random models and a byte-level tokenizer, built in code (no files, no network): the
-mechanics of the engine and the Serve app are tested on them in seconds. A name "tiny:N" loads
-the tiny model of seed N everywhere a model name is accepted (loading.py)."""
+"""Tiny random models and two tokenizers, built in code (no files, no network): the mechanics of
+the engine and the Serve app are tested on them in seconds. A name "tiny:N" loads the tiny model
+of seed N everywhere a model name is accepted (loading.py), with the byte-level tokenizer (Qwen's
+kind); "tiny-sp:N" one of the SentencePiece-like tokenizer (Gemma's kind: `▁` for a space, merged
+pieces, byte fallback, other special tokens and chat template), a drafter of another model family."""
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
@@ -115,3 +117,73 @@ def poisoned(model):
     # on the embedding: the runner calls the layers itself, never the model's own forward
     model.model.embed_tokens.register_forward_pre_hook(check)
     return model
+
+
+# ---- a tokenizer of another family: SentencePiece-like pieces, as Gemma's
+_SP_SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
+# Characters the SentencePiece-like vocabulary lacks (byte fallback encodes them): a target token
+# the drafter does not have
+SP_MISSING = "Q~|`"
+# Words merged into pieces (each with and without its word-start marker), so that a word is one
+# drafter token and several target tokens
+_SP_WORDS = (
+    "the and def return print self for if in is not None True False import from class while else "
+    "elif with as value result list len range data name int str er in on at re ing ed an or"
+).split()
+_SP_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
+    "{{ m['content'] }}<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+
+
+def _sp_pieces() -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """The SentencePiece-like vocabulary (specials, 256 byte-fallback pieces, characters, merged
+    words) and the BPE merges that build the words from characters."""
+    vocab = {t: i for i, t in enumerate(_SP_SPECIALS)}
+    for b in range(256):
+        vocab[f"<0x{b:02X}>"] = len(vocab)
+    chars = [chr(c) for c in range(33, 127) if chr(c) not in SP_MISSING] + ["\u2581", "\n", "\t"]
+    for ch in chars:
+        vocab.setdefault(ch, len(vocab))
+    merges: list[tuple[str, str]] = []
+
+    def merge(a: str, b: str) -> None:
+        if a + b not in vocab:
+            merges.append((a, b))
+            vocab[a + b] = len(vocab)
+
+    for word in _SP_WORDS:
+        for i in range(1, len(word)):
+            merge(word[:i], word[i])
+    for word in _SP_WORDS + ["\u2581"]:
+        merge("\u2581", word)  # after the word: "▁the" is "▁" + "the"
+    merge("\u2581" * 2, "\u2581" * 2)
+    return vocab, merges
+
+
+def tiny_sp_tokenizer() -> PreTrainedTokenizerFast:
+    """A SentencePiece-like BPE tokenizer (the `▁` word-start marker, merged pieces, byte fallback
+    for what it lacks: SP_MISSING and every non-ASCII character) with Gemma's special tokens and
+    chat template: another model family's tokenizer for the tiny cross-vocabulary pairs."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, processors
+
+    vocab, merges = _sp_pieces()
+    core = Tokenizer(models.BPE(vocab=vocab, merges=merges, byte_fallback=True, unk_token="<unk>"))
+    core.normalizer = normalizers.Replace(" ", "\u2581")
+    core.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    core.add_special_tokens(_SP_SPECIALS)
+    core.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 2)])
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        bos_token="<bos>",
+        eos_token="<eos>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        additional_special_tokens=["<start_of_turn>", "<end_of_turn>"],
+    )
+    tok.chat_template = _SP_CHAT_TEMPLATE
+    return tok
+
+
+def tiny_sp_vocab_size() -> int:
+    return len(_sp_pieces()[0])

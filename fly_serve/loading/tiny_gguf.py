@@ -1,14 +1,15 @@
 """A tiny random model (tiny.py) written as a GGUF file, so that the llama.cpp runtime's mechanics
 are tested on it in seconds, as the torch runtime's are on the model itself. fp32 tensors, the
-qwen2 architecture and the byte-level vocabulary of tiny.tiny_tokenizer, which llama.cpp loads but
-never uses (token ids come from our tokenizer)."""
+qwen2 architecture and the byte-level vocabulary of tiny.tiny_tokenizer (or, `sp`, the
+SentencePiece-like one of tiny.tiny_sp_tokenizer), which llama.cpp loads but never uses (token ids
+come from our tokenizer)."""
 
 import os
 from pathlib import Path
 
 import numpy as np
 
-from .tiny import _TINY_SPECIALS, tiny_model
+from .tiny import _TINY_SPECIALS, _sp_pieces, tiny_model, tiny_sp_vocab_size
 
 # llama.cpp's names for the Hugging Face Qwen2 layer tensors
 _LAYER = {
@@ -38,12 +39,15 @@ def _tensor_name(hf: str) -> str:
     return f"blk.{layer}.{_LAYER[rest]}"
 
 
-def write_tiny_gguf(seed: int, path: Path) -> Path:
-    """tiny_model(seed) as a GGUF file at `path` (written atomically)."""
+def write_tiny_gguf(seed: int, path: Path, sp: bool = False) -> Path:
+    """tiny_model(seed) as a GGUF file at `path` (written atomically); sp: the model of the
+    SentencePiece-like tokenizer ("tiny-sp:N")."""
     import gguf
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-    model = tiny_model(seed)
+    if sp:
+        model = tiny_model(seed, vocab_size=tiny_sp_vocab_size(), eos_token_id=1, pad_token_id=0, bos_token_id=2)
+    else:
+        model = tiny_model(seed)
     cfg = model.config
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     w = gguf.GGUFWriter(str(tmp), "qwen2")
@@ -56,12 +60,7 @@ def write_tiny_gguf(seed: int, path: Path) -> Path:
     w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
-    pieces = [ch for _, ch in sorted((b, ch) for b, ch in bytes_to_unicode().items())] + _TINY_SPECIALS
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2")
-    w.add_token_list(pieces)
-    w.add_token_types([gguf.TokenType.NORMAL] * 256 + [gguf.TokenType.CONTROL] * len(_TINY_SPECIALS))
-    w.add_token_merges([f"{pieces[32]} {pieces[32]}"])  # llama.cpp wants merges; none is ever used
+    (_sp_vocabulary if sp else _byte_vocabulary)(w, gguf)
     w.add_eos_token_id(cfg.eos_token_id)
     w.add_pad_token_id(cfg.pad_token_id)
     for name, t in model.state_dict().items():
@@ -74,3 +73,29 @@ def write_tiny_gguf(seed: int, path: Path) -> Path:
     w.close()
     tmp.replace(path)
     return path
+
+
+def _byte_vocabulary(w, gguf) -> None:
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    pieces = [ch for _, ch in sorted((b, ch) for b, ch in bytes_to_unicode().items())] + _TINY_SPECIALS
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(pieces)
+    w.add_token_types([gguf.TokenType.NORMAL] * 256 + [gguf.TokenType.CONTROL] * len(_TINY_SPECIALS))
+    w.add_token_merges([f"{pieces[32]} {pieces[32]}"])  # llama.cpp wants merges; none is ever used
+
+
+def _sp_vocabulary(w, gguf) -> None:
+    """The SentencePiece-like vocabulary as llama.cpp's SPM kind: specials, byte pieces, the rest."""
+    vocab, _ = _sp_pieces()
+    pieces = sorted(vocab, key=vocab.get)
+    kinds = [
+        gguf.TokenType.CONTROL if i < 6 else gguf.TokenType.BYTE if i < 6 + 256 else gguf.TokenType.NORMAL
+        for i in range(len(pieces))
+    ]
+    w.add_tokenizer_model("llama")
+    w.add_token_list(pieces)
+    w.add_token_scores([0.0] * len(pieces))
+    w.add_token_types(kinds)
+    w.add_bos_token_id(2)

