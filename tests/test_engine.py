@@ -339,6 +339,13 @@ def test_a_dead_drafter_never_fails_a_request():
     assert all(len(r.generated) == 10 for r in sampled)
 
 
+# verification nearly free, drafter forwards cheap: k "auto" drafts whenever it can
+DRAFTING_PAYS = {
+    "verify": {"tokens": [1, 16], "seconds": [1.0, 1.01]},
+    "draft": {"per_round": 0.0, "per_forward": 0.01, "per_row_forward": 0.01},
+}
+
+
 def test_auto_k_stays_exact_and_backs_off_when_verification_is_costly():
     """k "auto" only changes how many drafts a row gets: spd stays ar. Where verifying a token
     costs as much as a whole round, speculation does not pay and the policy drafts nothing."""
@@ -356,6 +363,22 @@ def test_auto_k_stays_exact_and_backs_off_when_verification_is_costly():
     assert all(r.stats.drafted == 0 for r in reqs)
     with pytest.raises(ParamError, match="^k:"):
         eng.add(PROMPTS[0], dict(k="many", max_tokens=5))
+
+
+def test_a_k_auto_rows_first_round_never_waits_for_the_drafters_prefill():
+    """The round that prefills a prompt makes no model draft under k "auto" (the drafter would
+    prefill the whole prompt first, and the first token would wait for it); the row drafts from
+    the next round on, and the text stays ar's."""
+    eng = engine(speculation_profile=DRAFTING_PAYS)
+    drafter = eng.drafters["model"]
+    req = eng.add(PROMPTS[3], dict(mode="spd", k="auto", k_max=6, mla=False, max_tokens=30))
+    before = drafter.forwards
+    first = eng.step()
+    assert first.drafted == 0 and drafter.forwards == before
+    assert drafter.runner.cache.valid(req.id, req.tokens) == 0  # nor did it prefill the prompt
+    while not req.finished:
+        eng.step()
+    assert req.stats.drafted > 0 and req.generated == AR[3]
 
 
 def test_admission_at_the_kv_budget_edge():

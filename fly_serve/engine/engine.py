@@ -537,6 +537,11 @@ class Engine:
             row.k, row.min_confidence = k, self.policy.min_confidence(self.policy.key_of(row.key, req.drafter))
             if self.policy.free[b] and k > 0:
                 free[b] = (offers[b][0], offers[b][1][:k])
+            elif req.stats.rounds == 0:
+                # The round that prefills the prompt: a model draft would first have the drafter
+                # prefill the whole prompt too, and the first token would wait for it (the TTFT
+                # of plain decoding is the promise); the drafter catches up when the row next drafts.
+                row.k = 0
         return free
 
     def _choices(self, req: Request, held: Ahead | None) -> tuple[str, ...]:
