@@ -379,6 +379,8 @@ def test_a_k_auto_rows_first_round_never_waits_for_the_drafters_prefill():
     while not req.finished:
         eng.step()
     assert req.stats.drafted > 0 and req.generated == AR[3]
+    lookup = eng.add(PROMPTS[3] * 2, dict(mode="pld", k="auto", k_max=6, max_tokens=5))
+    assert eng.step().drafted > 0 and lookup.stats.drafted > 0  # a model-free mode drafts from its first round
 
 
 def test_admission_at_the_kv_budget_edge():

@@ -537,10 +537,11 @@ class Engine:
             row.k, row.min_confidence = k, self.policy.min_confidence(self.policy.key_of(row.key, req.drafter))
             if self.policy.free[b] and k > 0:
                 free[b] = (offers[b][0], offers[b][1][:k])
-            elif req.stats.rounds == 0:
+            elif req.stats.rounds == 0 and req.params.mode_spec.source == "model":
                 # The round that prefills the prompt: a model draft would first have the drafter
                 # prefill the whole prompt too, and the first token would wait for it (the TTFT
-                # of plain decoding is the promise); the drafter catches up when the row next drafts.
+                # of plain decoding is the promise); the drafter catches up when the row next
+                # drafts. Its free drafts (above) and a model-free mode's draft as usual.
                 row.k = 0
         return free
 

@@ -24,7 +24,7 @@ kernels that compute each row alone in one order: weights as shipped (no repack)
 off (GGML_CPU_TILED_MM=0, read once per process), forwards of at most REPRODUCIBLE_UBATCH tokens and
 never of one token alone (a lone token is fed with the one before it again). Then a position's
 logits are bit for bit the same in a plain step, in a verification of any width and in any batch
-(tests/test_llama_runtime.py), so a greedy request gives one text however rounds and batches fell,
+(tests/test_reproducible.py), so a greedy request gives one text however rounds and batches fell,
 and strict speculative decoding gives plain decoding's text exactly; what it costs is measured in
 docs/benchmarks.md.
 """
