@@ -163,22 +163,23 @@ def in_process_child(config: str, prompts: list[str], max_tokens: int, repeats: 
 
 
 # ---- served
-ROLES = (
-    ("FlyIngress", "ingress replica"),
-    ("ProxyActor", "proxy"),
-    ("ServeController", "controller"),
+ROLES = (  # a key found in the process's command line (case ignored) -> its role
+    ("flyingress", "ingress replica"),
+    ("proxyactor", "proxy"),
+    ("servecontroller", "controller"),
     ("raylet", "raylet"),
     ("gcs_server", "gcs"),
     ("dashboard", "agents"),
-    ("runtime_env", "agents"),
+    ("runtimeenvagent", "agents"),
     ("log_monitor", "log monitor"),
+    ("autoscaler", "autoscaler monitor"),
     ("fly_cli.main", "launcher"),
 )
 
 
 def role(proc: psutil.Process) -> str:
     try:
-        line = " ".join(proc.cmdline()) or proc.name()
+        line = (" ".join(proc.cmdline()) or proc.name()).lower()
     except psutil.Error:
         return "gone"
     return next((r for key, r in ROLES if key in line), "other")
