@@ -45,15 +45,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fly_serve.contracts import Drafts, DraftSource, Row
+from fly_serve.contracts import CROSS_VOCAB_METHODS, Drafts, DraftSource, Row
 from fly_serve.decision.sampling import wire_q
+from fly_serve.runtime.kv_cache import common_prefix
 
 from .drafters import ModelDrafter
 from .vocab_map import SPECIAL, VocabMap, encode_bytes
 
 log = logging.getLogger("fly_serve.drafting.cross_vocab")
 
-METHODS = ("tli", "string")
+METHODS = CROSS_VOCAB_METHODS  # how a drafter of another vocabulary drafts (module docstring)
 LOOK_BEHIND = 4  # target tokens re-encoded with a string-level draft, so its seam tokenizes as the target would
 MAX_STREAMS = 4096  # rows whose stream is kept (running ones; a lost release ages out)
 
@@ -72,14 +73,6 @@ class Stream:
     target: list[int] = field(default_factory=list)  # the target tokens followed so far
     drafter: list[int] = field(default_factory=list)
     segments: list[_Segment] = field(default_factory=list)
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 def _adds_bos(tokenizer) -> int | None:
@@ -237,7 +230,7 @@ class CrossVocabDrafter:
         tokens = row.tokens
         s = self.streams.get(row.key)
         if s is not None:
-            c = _common_prefix(s.target, tokens)
+            c = common_prefix(s.target, tokens)
             segs = s.segments
             # cut back to the last segment wholly before the first change; a trailing run of text
             # is re-encoded with the tokens that now follow it

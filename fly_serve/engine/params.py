@@ -7,7 +7,7 @@ both. A bad value is a `ParamError` that names the field.
 
 from dataclasses import dataclass, field, fields
 
-from fly_serve.contracts import ParamError
+from fly_serve.contracts import CROSS_VOCAB_METHODS, ParamError
 
 ENTROPIES = ("topk", "full")  # top-3 entropy in nats (authors' code, vLLM port); normalized full-vocab (paper)
 WINDOW_RULES = ("paper", "authors")  # paper: W positions after j; authors' code: W - 1 (both need j + W <= K)
@@ -26,7 +26,7 @@ MLA_SOURCES = ("pld", "suffix", "recycle")
 # How a drafter of another tokenizer drafts (drafting/cross_vocab.py): "tli" its distribution
 # limited to the tokens both vocabularies share, "string" its text re-encoded by the target's
 # tokenizer; "auto": TLI for a sampling row, the drafter's greedy method for a greedy one
-CROSS_VOCAB = ("auto", "tli", "string")
+CROSS_VOCAB = ("auto", *CROSS_VOCAB_METHODS)
 
 
 @dataclass(frozen=True)
