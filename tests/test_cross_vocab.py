@@ -271,6 +271,36 @@ def test_k_auto_picks_the_drafter_that_pays_per_row():
         assert by["target"]["kept"] == by["target"]["drafted"]
 
 
+class Recording:
+    """A model drafter as it is, with the rows of each call it got; failing: every call raises
+    (its replica gone)."""
+
+    def __init__(self, inner, failing: bool = False):
+        self.inner, self.runner, self.kv_capacity_tokens = inner, inner.runner, inner.kv_capacity_tokens
+        self.failing, self.proposed, self.released = failing, [], []
+
+    def propose(self, rows):
+        self.proposed.append([r.key for r in rows])
+        if self.failing:
+            raise ConnectionError("the drafter's replica is gone")
+        return self.inner.propose(rows)
+
+    def release(self, keys):
+        self.released += keys
+        self.inner.release(keys)
+
+
+def test_a_finished_request_is_released_only_by_the_drafters_it_drafted_with():
+    """A drafter pool a request never reached gets no release of it (a pool whose replica is gone
+    would cost every retire a call)."""
+    eng = engine({"same": SAME, "cross": (TWIN, SP)})
+    same, cross = Recording(eng.drafters["model"]), Recording(eng.others["cross"])
+    eng.drafters["model"], eng.others["cross"] = same, cross
+    params = [dict(mode="spd", k=4, drafter="same"), dict(mode="spd", k=4, drafter="cross"), dict(mode="ar")]
+    reqs = eng.generate(prompts()[:3], [dict(max_tokens=8, **p) for p in params])
+    assert same.released == [reqs[0].id] and cross.released == [reqs[1].id]
+
+
 def test_an_unknown_drafter_is_refused_naming_the_field():
     eng = engine({"same": SAME, "cross": (TWIN, SP)})
     try:

@@ -729,10 +729,22 @@ class Engine:
             if req.finish_reason != "error":  # an aborted output is still the target's text
                 self.suffix_index.add(req.tokens)
         self.policy.release(done)
-        for part in (self.scorer, *self.drafters.values(), *self.others.values()):
-            if part is None:
-                continue
+        for part, keys in self._holders(finished):
             try:  # a cache on a dead or replaced replica is gone anyway; LRU reclaims the rest
-                part.release(done)
+                part.release(keys)
             except Exception:
-                log.warning("release of %d finished rows failed", len(done), exc_info=True)
+                log.warning("release of %d finished rows failed", len(keys), exc_info=True)
+
+    def _holders(self, finished: list[Request]) -> list[tuple[object, list[str]]]:
+        """Each part that may hold state of these finished rows, with their keys: the target and
+        the model-free sources every row; a model drafter only the rows it drafted
+        (Request.drafter_seen), the default one with draft-ahead every row (a bet drafts a row
+        that drafted otherwise this round). A drafter pool the rows never reached is not called."""
+        done = [r.id for r in finished]
+        out = [(part, done) for part in (self.scorer, *(self.drafters[k] for k in ("pld", "suffix", "recycle")))]
+        ahead = self.pipeline.stages is not None
+        for name in self.drafter_names:
+            keys = [r.id for r in finished if name in r.drafter_seen or (ahead and name == self.default_drafter)]
+            if keys:
+                out.append((self.model_drafter(name), keys))
+        return out
