@@ -17,7 +17,8 @@ from fly_serve.contracts import Row, RowChat
 from fly_serve.drafting.cross_vocab import CrossVocabDrafter
 from fly_serve.drafting.vocab_map import BYTE, SPECIAL, Vocab, VocabMap, encode_bytes
 from fly_serve.engine.params import ParamError
-from fly_serve.k_auto.round_cost import CostProfile
+from fly_serve.k_auto.round_cost import PLD, CostProfile
+from fly_serve.k_auto.speculation_policy import free_key
 from fly_serve.loading.tiny import SP_MISSING, tiny_model, tiny_sp_tokenizer, tiny_sp_vocab_size, tiny_tokenizer
 
 TOK, SP = tiny_tokenizer(), tiny_sp_tokenizer()
@@ -258,10 +259,7 @@ def test_k_auto_picks_the_drafter_that_pays_per_row():
         never.lm_head.weight[7, 0] = 1e4
         never.model.norm.weight.fill_(1.0)
     eng = engine({"never": never, "target": TARGET})
-    # both drafters priced alike and cheap (a drafter forward a tenth of a target step), frozen: the
-    # choice is the rows' acceptance alone (the tiny target as drafter costs a target step here)
-    cheap = dict(CostProfile.coerce(None).to_dict(), draft={"per_forward": 0.1, "per_row_forward": 0.0})
-    eng.policy.set_profile(CostProfile.from_dict(cheap), measured_here=True)
+    cheap_and_frozen(eng)  # the tiny target as drafter costs a target step here
     reqs = eng.generate(prompts()[:2], dict(mode="spd", k="auto", max_tokens=60))
     ar = engine(None).generate(prompts()[:2], dict(mode="ar", max_tokens=60))
     assert [r.generated for r in reqs] == [r.generated for r in ar]
@@ -290,6 +288,13 @@ class Recording:
         self.inner.release(keys)
 
 
+def cheap_and_frozen(eng) -> None:
+    """Every drafter priced alike and cheap (a drafter forward a tenth of a target step), frozen:
+    k auto drafts, and its choice among drafters is the rows' acceptance and catch-up alone."""
+    cheap = dict(CostProfile.coerce(None).to_dict(), draft={"per_forward": 0.1, "per_row_forward": 0.0})
+    eng.policy.set_profile(CostProfile.from_dict(cheap), measured_here=True)
+
+
 def test_a_finished_request_is_released_only_by_the_drafters_it_drafted_with():
     """A drafter pool a request never reached gets no release of it (a pool whose replica is gone
     would cost every retire a call)."""
@@ -299,6 +304,48 @@ def test_a_finished_request_is_released_only_by_the_drafters_it_drafted_with():
     params = [dict(mode="spd", k=4, drafter="same"), dict(mode="spd", k=4, drafter="cross"), dict(mode="ar")]
     reqs = eng.generate(prompts()[:3], [dict(max_tokens=8, **p) for p in params])
     assert same.released == [reqs[0].id] and cross.released == [reqs[1].id]
+
+
+def test_a_failing_drafter_is_left_out_of_k_autos_choice_and_its_rows_count_as_lookup():
+    """k auto's first choice (the drafters tie: the first listed) fails: its rows get prompt-lookup
+    drafts, counted as prompt lookup's (not the drafter's acceptance, not its drafts in the stats),
+    and the drafter is left out of the choice until its backoff is over; it is tried again then,
+    and a second failure leaves it out twice as long."""
+    eng = engine({"cross": (TWIN, SP), "same": SAME})
+    broken = Recording(eng.drafters["model"], failing=True)
+    eng.drafters["model"] = broken
+    now = [0.0]
+    eng.drafter_backoff.clock = lambda: now[0]
+    cheap_and_frozen(eng)
+    traces, record = [], eng.policy.record
+    eng.policy.record = lambda t: traces.append((len(broken.proposed), t)) or record(t)
+    reqs = eng.generate(prompts()[:2], dict(mode="spd", k="auto", max_tokens=24))
+    assert [r.generated for r in reqs] == AR[:2]
+    assert len(broken.proposed) == 1  # tried once
+    failed = next(t for calls, t in traces if calls == 1)  # what k auto learnt of the failed round
+    rows = [i for i, r in enumerate(reqs) if r.id in broken.proposed[0]]
+    assert [(failed.kinds[i], failed.keys[i]) for i in rows] == [(PLD, free_key(reqs[i].id)) for i in rows]
+    assert all("cross" not in r.stats.by_drafter for r in reqs)
+    assert sum(r.stats.by_drafter.get("pld", {}).get("drafted", 0) for r in reqs) > 0  # the fallback's
+    assert sum(r.stats.by_drafter.get("same", {}).get("drafted", 0) for r in reqs) > 0
+    assert eng.drafter_backoff.period("cross") == eng.drafter_backoff.first_s
+    now[0] += 1.5 * eng.drafter_backoff.first_s  # its backoff is over
+    eng.generate(prompts()[2:3], dict(mode="spd", k="auto", max_tokens=24))
+    assert len(broken.proposed) == 2 and eng.drafter_backoff.period("cross") == 2 * eng.drafter_backoff.first_s
+
+
+def test_k_auto_is_told_each_candidate_drafters_own_catch_up():
+    """RowInfo.drafter_lags: per drafter a row may use, the tokens it has not seen of the row."""
+    eng = engine({"same": SAME, "cross": (TWIN, SP)})
+    cheap_and_frozen(eng)
+    seen, choose = [], eng.policy.choose
+    eng.policy.choose = lambda rows: seen.append(rows[0]) or choose(rows)
+    req = eng.add(prompts()[0], dict(mode="spd", k="auto", max_tokens=24))
+    while not req.finished:
+        eng.step()
+    assert seen[0].drafters == ("same", "cross") and seen[0].drafter_lags == (req.n_prompt, req.n_prompt)
+    assert all(r.drafter_lag == r.drafter_lags[r.drafters.index(r.drafter or "same")] for r in seen)
+    assert any(len(set(r.drafter_lags)) == 2 and min(r.drafter_lags) < req.n_prompt for r in seen[1:])
 
 
 def test_an_unknown_drafter_is_refused_naming_the_field():
