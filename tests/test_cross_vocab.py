@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from fly_serve.build import build_engine
 from fly_serve.contracts import Row, RowChat
-from fly_serve.drafting.cross_vocab import CrossVocabDrafter
+from fly_serve.drafting.cross_vocab import FIXED, RUN, CrossVocabDrafter
 from fly_serve.drafting.vocab_map import BYTE, SPECIAL, Vocab, VocabMap, encode_bytes
 from fly_serve.engine.params import ParamError
 from fly_serve.k_auto.round_cost import PLD, CostProfile
@@ -139,6 +139,32 @@ def test_the_stream_is_the_target_text_whatever_was_cut_back(text, cuts):
     assert got[0] == SP.bos_token_id  # its own BOS (the target adds none)
     assert VMAP.drafter.text_of(got[1:]) == VMAP.target.text_of(tokens)
     assert got == fresh.follow(Row("r", tokens))
+
+
+def test_streams_are_compact_and_bounded_by_their_tokens():
+    """A run of shared tokens is one segment (a rejection inside it cuts at the token), and the
+    streams of rows never released (a row moved to another replica group) are dropped, least
+    recently followed first, once all streams together hold more than max_stream_tokens."""
+    drafter = cross()
+    shared = TOK.encode("def add(a, b):\n    return a + b\n" * 4)  # all of it shared (ASCII the drafter has)
+    got = drafter.follow(Row("r", shared))
+    s = drafter.streams["r"]
+    assert list(s.kinds) == [FIXED, RUN] and len(s) == len(shared) + len(got)
+    assert drafter.follow(Row("r", shared[:50] + [ord("Q")])) == got[:51] + encode_bytes(SP, VMAP.drafter, b"Q")
+    assert drafter.follow(Row("r", shared)) == got  # cut inside the run, extended again
+    assert list(s.kinds) == [FIXED, RUN]
+
+    bound = 10 * (2 * len(shared) + 1)
+    small = CrossVocabDrafter(drafter.inner, VMAP, TOK, SP, max_stream_tokens=bound)
+    for i in range(40):
+        small.follow(Row(f"r{i}", shared))
+        assert small.stream_tokens == sum(len(x) for x in small.streams.values()) <= bound
+    assert list(small.streams) == [f"r{i}" for i in range(30, 40)]  # the least recent went first
+    small.follow(Row("r35", shared))  # followed again: the most recent now
+    small.follow(Row("new", shared))
+    assert "r30" not in small.streams and "r35" in small.streams
+    small.release(["r35", "new", "never-followed"])
+    assert small.stream_tokens == sum(len(x) for x in small.streams.values())
 
 
 def test_a_chat_prompt_opens_with_the_drafters_own_template():
