@@ -8,6 +8,7 @@ The drafter that makes the drafts worth verifying is the target's twin in the ot
 text, perturbed; its merged pieces get the mean of their characters' rows, so it sometimes drafts
 a whole word where the target continues otherwise, a rejection inside a drafter token."""
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -22,6 +23,7 @@ from fly_serve.k_auto.speculation_policy import free_key
 from fly_serve.loading.tiny import SP_MISSING, tiny_model, tiny_sp_tokenizer, tiny_sp_vocab_size, tiny_tokenizer
 
 TOK, SP = tiny_tokenizer(), tiny_sp_tokenizer()
+SP_PRE = tiny_sp_tokenizer(prepend=True)  # the same pieces, a `▁` put in front of every encoding (Llama 2's kind)
 
 
 def varied_target():
@@ -112,25 +114,30 @@ def test_the_map_is_cached_per_pair(tmp_path):
 
 def test_bytes_reencode_exactly_on_both_sides():
     data = "naïve Queue ~ x".encode() + b"\xc3"  # a character cut off at the end
-    for tok, vocab in ((TOK, VMAP.target), (SP, VMAP.drafter)):
+    for tok, vocab in ((TOK, VMAP.target), (SP, VMAP.drafter), (SP_PRE, VMAP.drafter)):
         assert vocab.text_of(encode_bytes(tok, vocab, data)) == data
+        for text in ("abc", " the", "\nthe", "the"):  # where the prepended space would go
+            assert vocab.text_of(encode_bytes(tok, vocab, text.encode())) == text.encode()
+    assert VMAP.drafter.text_of(SP_PRE.encode("abc", add_special_tokens=False)) == b" abc"  # what it does alone
 
 
 # ---- the drafter's stream follows the target's tokens
-def cross() -> CrossVocabDrafter:
-    eng = engine()
+def cross(tokenizer=SP) -> CrossVocabDrafter:
+    eng = engine((TWIN, tokenizer))
     return eng.drafters["model"]
 
 
+@pytest.mark.parametrize("tokenizer", [SP, SP_PRE], ids=["sentencepiece", "prepends-a-space"])
 @settings(max_examples=40, deadline=None)
 @given(
     text=st.text(alphabet="ab Q~\n\tthe réturn", max_size=30), cuts=st.lists(st.integers(0, 40), min_size=1, max_size=4)
 )
-def test_the_stream_is_the_target_text_whatever_was_cut_back(text, cuts):
+def test_the_stream_is_the_target_text_whatever_was_cut_back(tokenizer, text, cuts):
     """Followed call after call (the target's tokens cut back at random, as rejected drafts are,
     then extended), the drafter's stream is always the target's text, and the same stream as a
-    fresh drafter makes of the same tokens."""
-    drafter, fresh = cross(), cross()
+    fresh drafter makes of the same tokens; also with a drafter tokenizer that prepends a space to
+    every encoding (each run of text re-encoded would gain one)."""
+    drafter, fresh = cross(tokenizer), cross(tokenizer)
     tokens = TOK.encode(text) or [ord("a")]
     for cut in cuts:
         seen = tokens[: min(cut, len(tokens))] + [ord("x")] * (cut % 3)
@@ -184,6 +191,10 @@ def test_greedy_spd_through_a_drafter_of_another_family_is_the_targets_text():
     # the twin drafts well, and not perfectly: both kept and rejected drafts were verified
     reqs = engine().generate(prompts(), dict(mode="spd", k=4, max_tokens=24, cross_vocab="string"))
     assert sum(r.stats.accepted for r in reqs) > 0 and sum(r.stats.recovered for r in reqs) > 0
+    # a drafter tokenizer that prepends a space to every encoding drafts as well: it sees the same stream
+    same = engine((TWIN, SP_PRE)).generate(prompts(), dict(mode="spd", k=4, max_tokens=24, cross_vocab="string"))
+    assert [r.generated for r in same] == AR
+    assert [r.stats.accepted for r in same] == [r.stats.accepted for r in reqs]
 
 
 def test_a_rejection_inside_a_drafter_token_and_a_token_it_lacks():
