@@ -136,6 +136,17 @@ def load_drafter(config: EngineConfig, device=None, progress=print, name: str | 
     return drafter_part(inner, load_tokenizer(config.target, progress), drafter_tok, spec)
 
 
+def drafts_under_grammar(config: EngineConfig, name: str | None = None, target_tok=None, progress=print) -> bool:
+    """Whether the named drafter (None: the default), as load_drafter builds it, drafts under a
+    row's grammar: one of the target's tokenizer does (drafters.ModelDrafter), one of another does
+    not (cross_vocab.py: grammars speak the target's ids). Read off the tokenizers alone, for a
+    drafter that runs in replicas of its own (the ingress's remote_parts.RemoteDrafter)."""
+    specs = config.drafter_specs()
+    spec = specs[name] if name is not None else next(iter(specs.values()))
+    target_tok = target_tok if target_tok is not None else load_tokenizer(config.target, progress)
+    return same_tokenizer(target_tok, load_tokenizer(spec.model, progress))
+
+
 def grammars_for(config: EngineConfig, progress=print) -> Grammars:
     """The grammar side of a drafter loaded alone (a drafter replica), as its engine's
     (assemble_engine): the pair's tokenizer and the target's EOS ids, its tokenizer built now."""

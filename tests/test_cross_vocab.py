@@ -393,6 +393,9 @@ def test_an_unknown_drafter_is_refused_naming_the_field():
         assert e.field == "drafter" and "same, cross" in e.message
     else:
         raise AssertionError("an unknown drafter was admitted")
+    with pytest.raises(ParamError) as e:  # a long name is quoted as a short prefix
+        eng.add(prompts()[0], dict(drafter="x" * 100_000, max_tokens=8))
+    assert e.value.field == "drafter" and len(str(e.value)) < 200 and "100002 characters" in str(e.value)
 
 
 def test_several_drafters_by_name_and_the_llama_cpp_runtime():

@@ -9,7 +9,15 @@ import pytest
 
 from deployments.parts.remote_parts import Releases, RemoteDrafter, RemoteScorer
 from deployments.parts.row_history import RowHistory, RowSender, RowsUnknown, rows_unknown
-from fly_serve.build import EngineConfig, assemble_engine, build_engine, load_drafter, load_scorer
+from fly_serve.build import (
+    EngineConfig,
+    assemble_engine,
+    build_engine,
+    drafts_under_grammar,
+    grammars_for,
+    load_drafter,
+    load_scorer,
+)
 from fly_serve.contracts import Row
 from fly_serve.loading.loading import load_tokenizer
 
@@ -184,3 +192,21 @@ def test_releases_waiting_are_bounded():
     held.set()
     for call in waiting[:2]:  # answered: the thread confirms them and goes on
         call.cancel()
+
+
+def test_a_drafter_pool_drafts_under_a_grammar_as_its_replicas_drafter_does():
+    """The ingress's RemoteDrafter for a pool says what the pool's replicas' drafter says: one of
+    the target's tokenizer drafts under a row's grammar, one of another family does not."""
+    config = EngineConfig(
+        target="tiny:0", drafter=None, drafters={"same": "tiny:1", "cross": "tiny-sp:2"}, max_model_len=256
+    )
+    quiet = dict(progress=lambda _: None)
+    tokenizer, grammars = load_tokenizer("tiny:0"), grammars_for(config, **quiet)
+    said = {}
+    for name in ("same", "cross"):
+        in_replica = load_drafter(config, name=name, **quiet).share_grammars(grammars)
+        said[name] = RemoteDrafter(None, grammars=drafts_under_grammar(config, name, tokenizer)).share_grammars(
+            grammars
+        )
+        assert said[name] == in_replica, name
+    assert said == {"same": True, "cross": False}

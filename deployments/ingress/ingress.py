@@ -50,7 +50,7 @@ from deployments.parts.threads import serve_at_priority, threads_from_ray
 from deployments.profiles.app_args import DEFAULT_MAX_WAITING, AppArgs
 from deployments.routing.replica_pool import LiveReplicas, group_tag, unit_rank
 from deployments.routing.unit_router import STATUS
-from fly_serve.build import assemble_engine, load_drafter, load_scorer
+from fly_serve.build import assemble_engine, drafts_under_grammar, load_drafter, load_scorer
 from fly_serve.engine.params import ParamError
 from fly_serve.loading.loading import load_tokenizer, set_threads
 from fly_serve.runtime.devices import device_for
@@ -143,7 +143,8 @@ class Ingress:
             drafters = {}
             for name, handle in handles.items():  # one drafting call per live replica of each pool (replica_pool.py)
                 live = LiveReplicas(ctx.app_name, deployment_name(name, names[0]))
-                drafters[name] = RemoteDrafter(handle, args.affinity_groups, args.call_timeout_s, live)
+                grammars = drafts_under_grammar(config, name, tokenizer)
+                drafters[name] = RemoteDrafter(handle, args.affinity_groups, args.call_timeout_s, live, grammars)
             if local:
                 if target_handle is not None:  # else the target's threads are the drafter's (one team)
                     set_threads(args.drafter_threads or threads_from_ray())

@@ -142,11 +142,16 @@ class RemoteDrafter:
     prefix is likely cached, within a bound on load), and kept until it is released or the
     number of groups changes.
 
-    `live` returns the number of live replicas (replica_pool.LiveReplicas); without it, one group."""
+    `live` returns the number of live replicas (replica_pool.LiveReplicas); without it, one group.
+    `grammars`: whether the pool's replicas draft under a row's grammar (build.drafts_under_grammar:
+    a drafter of another tokenizer does not)."""
 
-    def __init__(self, handle, max_groups: int = 1, timeout_s: float = DEFAULT_CALL_TIMEOUT_S, live=None):
+    def __init__(
+        self, handle, max_groups: int = 1, timeout_s: float = DEFAULT_CALL_TIMEOUT_S, live=None, grammars: bool = True
+    ):
         self.handle, self.max_groups, self.timeout_s = handle, max_groups, timeout_s
         self.live = live or (lambda: 1)
+        self.grammars = grammars
         # Each row's tokens go once. A row that moves to another replica (the pool changed) is
         # refused there as unknown and sent whole: tokens only grow, so any replica's history of
         # a row is a prefix of it.
@@ -234,4 +239,4 @@ class RemoteDrafter:
         pass  # the engine's sources live in this process; a drafter replica keeps its own prompt lookup
 
     def share_grammars(self, grammars) -> bool:
-        return True  # each replica drafts under a row's grammar with its own (build.grammars_for)
+        return self.grammars  # each replica drafts under a row's grammar with its own (build.grammars_for)

@@ -48,7 +48,7 @@ from fly_serve.k_auto.speculation_policy import RoundTrace, SpeculationPolicy, f
 from . import prompts
 from .detokenizer import IncrementalText, find_stop, held_back
 from .drafter_backoff import DrafterBackoff
-from .params import ParamError, Params
+from .params import ParamError, Params, shown
 from .request_stats import RequestStats
 
 log = logging.getLogger("fly_serve.engine.engine")
@@ -250,7 +250,7 @@ class Engine:
             raise ParamError("mode", f"{params.mode!r} needs a draft model and this engine has none")
         if params.drafter is not None and params.drafter not in self.drafter_names:
             known = ", ".join(self.drafter_names) or "none"
-            raise ParamError("drafter", f"no drafter named {params.drafter!r} here (drafters: {known})")
+            raise ParamError("drafter", f"no drafter named {shown(params.drafter)} here (drafters: {known})")
         req = Request(request_id or f"req-{next(self._ids)}", prompt, params, self.tokenizer)
         req.matcher = self.grammars.matcher(params)
         req.drafter = params.drafter

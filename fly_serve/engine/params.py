@@ -29,6 +29,15 @@ MLA_SOURCES = ("pld", "suffix", "recycle")
 CROSS_VOCAB = ("auto", *CROSS_VOCAB_METHODS)
 
 
+SHOWN_CHARS = 64  # of a bad value echoed in its error: a client's megabyte is not sent back
+
+
+def shown(value) -> str:
+    """A value as an error message quotes it: its repr, cut to SHOWN_CHARS."""
+    text = repr(value)
+    return text if len(text) <= SHOWN_CHARS else f"{text[:SHOWN_CHARS]}... ({len(text)} characters)"
+
+
 @dataclass(frozen=True)
 class Mode:
     """What a mode drafts with, and how its drafts are judged."""
@@ -168,7 +177,7 @@ class Params:
 
     def validate(self, prompt_len: int, max_model_len: int) -> "Params":
         def bad(name, why):
-            raise ParamError(name, f"{why} (got {getattr(self, name)!r})")
+            raise ParamError(name, f"{why} (got {shown(getattr(self, name))})")
 
         def is_num(v):
             return isinstance(v, (int, float)) and not isinstance(v, bool)
