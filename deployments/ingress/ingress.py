@@ -132,6 +132,7 @@ class Ingress:
             handles = {names[0]: drafter_handle}
         self.drafter_handles = handles
         local = not handles and args.drafter_placement == "ingress" and bool(names)
+        self.live_replicas: dict[str, LiveReplicas] = {}  # each remote pool's replica count, as rounds see it
 
         def build_engine():
             device = device_for(ray.get_gpu_ids())
@@ -142,7 +143,7 @@ class Ingress:
                 scorer = RemoteScorer(target_handle, len(tokenizer), args.call_timeout_s)
             drafters = {}
             for name, handle in handles.items():  # one drafting call per live replica of each pool (replica_pool.py)
-                live = LiveReplicas(ctx.app_name, deployment_name(name, names[0]))
+                live = self.live_replicas[name] = LiveReplicas(ctx.app_name, deployment_name(name, names[0]))
                 grammars = drafts_under_grammar(config, name, tokenizer)
                 drafters[name] = RemoteDrafter(handle, args.affinity_groups, args.call_timeout_s, live, grammars)
             if local:
@@ -265,6 +266,8 @@ class Ingress:
             reports = {name: await self._drafter_cache(name) for name in names}
             out["drafter_cache"] = reports[names[0]]
             out["drafter_caches"] = reports
+        if self.live_replicas:  # each drafter pool's replicas that the rounds split rows among
+            out["drafter_replicas"] = {name: live.last for name, live in self.live_replicas.items()}
         return JSONResponse(out)
 
     async def _drafter_cache(self, name: str) -> dict | None:
