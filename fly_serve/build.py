@@ -136,6 +136,17 @@ def load_drafter(config: EngineConfig, device=None, progress=print, name: str | 
     return drafter_part(inner, load_tokenizer(config.target, progress), drafter_tok, spec)
 
 
+def drafts_under_grammar(config: EngineConfig, name: str | None = None, target_tok=None, progress=print) -> bool:
+    """Whether the named drafter (None: the default), as load_drafter builds it, drafts under a
+    row's grammar: one of the target's tokenizer does (drafters.ModelDrafter), one of another does
+    not (cross_vocab.py: grammars speak the target's ids). Read off the tokenizers alone, for a
+    drafter that runs in replicas of its own (the ingress's remote_parts.RemoteDrafter)."""
+    specs = config.drafter_specs()
+    spec = specs[name] if name is not None else next(iter(specs.values()))
+    target_tok = target_tok if target_tok is not None else load_tokenizer(config.target, progress)
+    return same_tokenizer(target_tok, load_tokenizer(spec.model, progress))
+
+
 def grammars_for(config: EngineConfig, progress=print) -> Grammars:
     """The grammar side of a drafter loaded alone (a drafter replica), as its engine's
     (assemble_engine): the pair's tokenizer and the target's EOS ids, its tokenizer built now."""
@@ -219,7 +230,8 @@ def build_engine(
     check_head_cut(config.drafter_head_cut, "drafter_head_cut")
     set_reproducible(config.reproducible)  # before any model loads: it picks llama.cpp's kernels
     named = _named_drafters(config.drafters or drafter, config)
-    names = model_name(target), _drafters_key(named)  # for the calibration's key, before loading
+    # for the calibration's key, before loading: the names of the parts as given
+    names = model_name(target), {n: spec if isinstance(m, str) else m for n, (m, spec) in named.items()}
     # loaded models are not names: the config keeps names only (None for a loaded part)
     config = replace(config, target=target if isinstance(target, str) else None, drafter=None, drafters=None)
     if tokenizer is None:
@@ -240,7 +252,7 @@ def build_engine(
         config, scorer_for(target_model, config, len(tokenizer)), drafts or None, tokenizer, target_model, progress
     )
     if config.speculation_profile is None and (engine.defaults.auto_k if calibrate is None else calibrate):
-        key = calibration_key(config, engine.defaults.k_max, target=names[0], drafter=names[1])
+        key = calibration_key(config, engine.defaults.k_max, target=names[0], drafters=names[1])
         calibrate_engine(engine, key, progress=progress)
     return engine
 
@@ -262,15 +274,6 @@ def _named_drafters(drafter, config: EngineConfig) -> dict[str, tuple]:
         (name, spec), *_ = replace(config, drafter=drafter, drafters=None).drafter_specs().items()
         return {name: (spec.model, spec)}
     return {DEFAULT_DRAFTER_NAME: (drafter, DrafterSpec("loaded"))}
-
-
-def _drafters_key(named: dict[str, tuple]) -> str | None:
-    """The drafters' names for the calibration key: the model's name alone for one drafter (the
-    key of a single-drafter engine as it always was), name=model for several."""
-    models = {n: model_name(m[0] if isinstance(m, tuple) else m) for n, (m, _) in named.items()}
-    if len(models) <= 1:
-        return next(iter(models.values()), None)
-    return ",".join(f"{n}={m}" for n, m in models.items())
 
 
 def _drafter(target_model, model, spec: DrafterSpec, config: EngineConfig, tokenizer, device, progress):

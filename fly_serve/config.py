@@ -5,10 +5,9 @@ and the replicas that load a part read the same fields, so a knob is named and d
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from .contracts import CROSS_VOCAB_METHODS
 from .engine.params import Params
 from .loading.weights import DEFAULT_DRAFTER, DEFAULT_TARGET, drafter_model, drafter_short_name
-
-GREEDY_METHODS = ("string", "tli")  # cross_vocab.METHODS: how a drafter of another tokenizer drafts greedy rows
 
 
 @dataclass(frozen=True)
@@ -23,8 +22,8 @@ class DrafterSpec:
     def __post_init__(self):
         if not isinstance(self.model, str) or not self.model:
             raise ValueError(f"drafters: a drafter's model must be a model name (got {self.model!r})")
-        if self.greedy not in GREEDY_METHODS:
-            raise ValueError(f"drafters: greedy must be one of {', '.join(GREEDY_METHODS)} (got {self.greedy!r})")
+        if self.greedy not in CROSS_VOCAB_METHODS:
+            raise ValueError(f"drafters: greedy must be one of {', '.join(CROSS_VOCAB_METHODS)} (got {self.greedy!r})")
         object.__setattr__(self, "model", drafter_model(self.model))
 
     @classmethod

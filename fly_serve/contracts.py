@@ -29,6 +29,13 @@ class RowGrammar:
     start: int  # the sequence position its output begins at (the prompt's length)
 
 
+# How a drafter of another vocabulary drafts a row (cross_vocab.py): "tli" its distribution limited
+# to the tokens both vocabularies share, "string" its text re-encoded by the target's tokenizer. The
+# one list: Row.cross_vocab, a request's `cross_vocab` (params.CROSS_VOCAB adds "auto") and a
+# drafter's `greedy` method (config.DrafterSpec) take these.
+CROSS_VOCAB_METHODS = ("tli", "string")
+
+
 @dataclass(frozen=True)
 class RowChat:
     """A chat request's conversation, as a drafter of another tokenizer needs it to render the
@@ -75,7 +82,7 @@ class Row:
     chat: RowChat | None = None
     # A drafter of another vocabulary (cross_vocab.py): how it drafts the row, "tli" (its
     # distribution limited to the tokens both vocabularies share), "string" (its text re-encoded
-    # by the target's tokenizer) or "auto" (params.CROSS_VOCAB)
+    # by the target's tokenizer) or "auto" (CROSS_VOCAB_METHODS, params.CROSS_VOCAB)
     cross_vocab: str = "auto"
 
     @property

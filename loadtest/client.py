@@ -161,6 +161,11 @@ class InFlight:
         self.pool.shutdown(wait=False, cancel_futures=True)
         return out
 
+    def close(self) -> None:
+        """Wait no more (a test that failed midway): each request's thread ends with its request,
+        within the client's timeout."""
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
 
 def stats(url: str, timeout_s: float = 10.0, headers: dict | None = None) -> dict:
     """The ingress's /v1/fly/stats (running, waiting, in_flight, rounds, drafter_cache, ...)."""

@@ -26,7 +26,17 @@ def tiny_engine():
 
 
 def key(k_max=3, **over):
-    names = ("dtype", "drafter_precision", "max_batch", "drafter_head_cut", "draft_ahead", "draft_threads", "runtime")
+    names = (
+        "dtype",
+        "drafter_precision",
+        "max_batch",
+        "drafter_head_cut",
+        "draft_ahead",
+        "draft_threads",
+        "runtime",
+        "drafters",
+        "reproducible",
+    )
     fields = {f: over.pop(f) for f in names if f in over}
     config = EngineConfig("tiny:0", "tiny:1", **({"dtype": "fp32", "max_batch": 2} | fields))
     return cc.calibration_key(config, k_max, **over)  # over: the serving shape
@@ -233,6 +243,42 @@ def test_the_key_names_machine_models_precision_shape_and_versions():
     hashes = {cc.key_hash(x) for x in (k, key(), key(k_max=4), *others, *ahead)}
     assert len(hashes) == 10
     assert cc.key_hash(key()) == cc.key_hash(key())
+
+
+def test_the_key_names_every_drafter_and_the_kernel_choice():
+    """A served app's config keeps AppArgs' default `drafter` beside its `drafters`: the key names
+    the drafters (an engine with a Gemma beside the Qwen drafter is not priced as Qwen alone), and
+    reproducible's kernels (another cost curve) get their own entry."""
+    one = key()
+    assert one["drafter"] == "tiny:1"  # one drafter: its model's name, as it always was
+    two = key(drafters={"same": "tiny:1", "cross": "tiny-sp:2"})
+    assert two["drafter"] == "same=tiny:1,cross=tiny-sp:2"
+    tli = key(drafters={"same": "tiny:1", "cross": {"model": "tiny-sp:2", "greedy": "tli"}})
+    assert tli["drafter"] == "same=tiny:1,cross=tiny-sp:2:tli"
+    assert key(drafters={"same": "tiny:1"})["drafter"] == "tiny:1"
+    fixed = key(reproducible=True)
+    assert fixed["reproducible"] is True and "reproducible" not in one
+    assert len({cc.key_hash(k) for k in (one, two, tli, fixed)}) == 4
+    # build_engine's loaded drafters are named as the config would name them
+    config = EngineConfig("tiny:0", None, drafters={"same": "tiny:1", "cross": "tiny-sp:2"})
+    assert cc.drafters_key(config) == cc.drafters_key(EngineConfig(), {"same": "tiny:1", "cross": "tiny-sp:2"})
+
+
+def test_a_cached_profile_without_one_of_the_engines_drafters_is_measured_again(cache):
+    engine = build_engine(
+        "tiny:0", {"a": "tiny:1", "b": "tiny:2"}, max_batch=1, calibrate=False, progress=lambda _: None
+    )
+    k = key(k_max=1, max_batch=1, drafters={"a": "tiny:1", "b": "tiny:2"})
+    alone = cc.measure_profile(engine.scorer, engine.drafters["model"], k_max=1, max_batch=1, reps=1, progress=print)
+    assert alone.drafters == {}
+    cc.save_cached(k, alone)  # an entry made by an engine that had the default drafter only
+    lines = []
+    got = cc.calibrate_engine(engine, k, reps=1, progress=lines.append)
+    assert set(got.drafters) == {"b"} and any("lacks drafters b" in line for line in lines)
+    assert set(cc.load_cached(k).drafters) == {"b"}  # the entry measured again replaces it
+    lines.clear()
+    assert set(cc.calibrate_engine(engine, k, progress=lines.append).drafters) == {"b"}
+    assert lines == [f"k auto: cost profile from the cache ({cc.cache_path(k)})"]
 
 
 def test_build_engine_calibrates_for_k_auto_and_keeps_an_explicit_profile(cache):

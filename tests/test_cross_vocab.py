@@ -8,19 +8,22 @@ The drafter that makes the drafts worth verifying is the target's twin in the ot
 text, perturbed; its merged pieces get the mean of their characters' rows, so it sometimes drafts
 a whole word where the target continues otherwise, a rejection inside a drafter token."""
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fly_serve.build import build_engine
 from fly_serve.contracts import Row, RowChat
-from fly_serve.drafting.cross_vocab import CrossVocabDrafter
+from fly_serve.drafting.cross_vocab import FIXED, RUN, CrossVocabDrafter
 from fly_serve.drafting.vocab_map import BYTE, SPECIAL, Vocab, VocabMap, encode_bytes
 from fly_serve.engine.params import ParamError
-from fly_serve.k_auto.round_cost import CostProfile
+from fly_serve.k_auto.round_cost import PLD, CostProfile
+from fly_serve.k_auto.speculation_policy import free_key
 from fly_serve.loading.tiny import SP_MISSING, tiny_model, tiny_sp_tokenizer, tiny_sp_vocab_size, tiny_tokenizer
 
 TOK, SP = tiny_tokenizer(), tiny_sp_tokenizer()
+SP_PRE = tiny_sp_tokenizer(prepend=True)  # the same pieces, a `▁` put in front of every encoding (Llama 2's kind)
 
 
 def varied_target():
@@ -111,25 +114,30 @@ def test_the_map_is_cached_per_pair(tmp_path):
 
 def test_bytes_reencode_exactly_on_both_sides():
     data = "naïve Queue ~ x".encode() + b"\xc3"  # a character cut off at the end
-    for tok, vocab in ((TOK, VMAP.target), (SP, VMAP.drafter)):
+    for tok, vocab in ((TOK, VMAP.target), (SP, VMAP.drafter), (SP_PRE, VMAP.drafter)):
         assert vocab.text_of(encode_bytes(tok, vocab, data)) == data
+        for text in ("abc", " the", "\nthe", "the"):  # where the prepended space would go
+            assert vocab.text_of(encode_bytes(tok, vocab, text.encode())) == text.encode()
+    assert VMAP.drafter.text_of(SP_PRE.encode("abc", add_special_tokens=False)) == b" abc"  # what it does alone
 
 
 # ---- the drafter's stream follows the target's tokens
-def cross() -> CrossVocabDrafter:
-    eng = engine()
+def cross(tokenizer=SP) -> CrossVocabDrafter:
+    eng = engine((TWIN, tokenizer))
     return eng.drafters["model"]
 
 
+@pytest.mark.parametrize("tokenizer", [SP, SP_PRE], ids=["sentencepiece", "prepends-a-space"])
 @settings(max_examples=40, deadline=None)
 @given(
     text=st.text(alphabet="ab Q~\n\tthe réturn", max_size=30), cuts=st.lists(st.integers(0, 40), min_size=1, max_size=4)
 )
-def test_the_stream_is_the_target_text_whatever_was_cut_back(text, cuts):
+def test_the_stream_is_the_target_text_whatever_was_cut_back(tokenizer, text, cuts):
     """Followed call after call (the target's tokens cut back at random, as rejected drafts are,
     then extended), the drafter's stream is always the target's text, and the same stream as a
-    fresh drafter makes of the same tokens."""
-    drafter, fresh = cross(), cross()
+    fresh drafter makes of the same tokens; also with a drafter tokenizer that prepends a space to
+    every encoding (each run of text re-encoded would gain one)."""
+    drafter, fresh = cross(tokenizer), cross(tokenizer)
     tokens = TOK.encode(text) or [ord("a")]
     for cut in cuts:
         seen = tokens[: min(cut, len(tokens))] + [ord("x")] * (cut % 3)
@@ -138,6 +146,32 @@ def test_the_stream_is_the_target_text_whatever_was_cut_back(text, cuts):
     assert got[0] == SP.bos_token_id  # its own BOS (the target adds none)
     assert VMAP.drafter.text_of(got[1:]) == VMAP.target.text_of(tokens)
     assert got == fresh.follow(Row("r", tokens))
+
+
+def test_streams_are_compact_and_bounded_by_their_tokens():
+    """A run of shared tokens is one segment (a rejection inside it cuts at the token), and the
+    streams of rows never released (a row moved to another replica group) are dropped, least
+    recently followed first, once all streams together hold more than max_stream_tokens."""
+    drafter = cross()
+    shared = TOK.encode("def add(a, b):\n    return a + b\n" * 4)  # all of it shared (ASCII the drafter has)
+    got = drafter.follow(Row("r", shared))
+    s = drafter.streams["r"]
+    assert list(s.kinds) == [FIXED, RUN] and len(s) == len(shared) + len(got)
+    assert drafter.follow(Row("r", shared[:50] + [ord("Q")])) == got[:51] + encode_bytes(SP, VMAP.drafter, b"Q")
+    assert drafter.follow(Row("r", shared)) == got  # cut inside the run, extended again
+    assert list(s.kinds) == [FIXED, RUN]
+
+    bound = 10 * (2 * len(shared) + 1)
+    small = CrossVocabDrafter(drafter.inner, VMAP, TOK, SP, max_stream_tokens=bound)
+    for i in range(40):
+        small.follow(Row(f"r{i}", shared))
+        assert small.stream_tokens == sum(len(x) for x in small.streams.values()) <= bound
+    assert list(small.streams) == [f"r{i}" for i in range(30, 40)]  # the least recent went first
+    small.follow(Row("r35", shared))  # followed again: the most recent now
+    small.follow(Row("new", shared))
+    assert "r30" not in small.streams and "r35" in small.streams
+    small.release(["r35", "new", "never-followed"])
+    assert small.stream_tokens == sum(len(x) for x in small.streams.values())
 
 
 def test_a_chat_prompt_opens_with_the_drafters_own_template():
@@ -157,6 +191,10 @@ def test_greedy_spd_through_a_drafter_of_another_family_is_the_targets_text():
     # the twin drafts well, and not perfectly: both kept and rejected drafts were verified
     reqs = engine().generate(prompts(), dict(mode="spd", k=4, max_tokens=24, cross_vocab="string"))
     assert sum(r.stats.accepted for r in reqs) > 0 and sum(r.stats.recovered for r in reqs) > 0
+    # a drafter tokenizer that prepends a space to every encoding drafts as well: it sees the same stream
+    same = engine((TWIN, SP_PRE)).generate(prompts(), dict(mode="spd", k=4, max_tokens=24, cross_vocab="string"))
+    assert [r.generated for r in same] == AR
+    assert [r.stats.accepted for r in same] == [r.stats.accepted for r in reqs]
 
 
 def test_a_rejection_inside_a_drafter_token_and_a_token_it_lacks():
@@ -258,10 +296,7 @@ def test_k_auto_picks_the_drafter_that_pays_per_row():
         never.lm_head.weight[7, 0] = 1e4
         never.model.norm.weight.fill_(1.0)
     eng = engine({"never": never, "target": TARGET})
-    # both drafters priced alike and cheap (a drafter forward a tenth of a target step), frozen: the
-    # choice is the rows' acceptance alone (the tiny target as drafter costs a target step here)
-    cheap = dict(CostProfile.coerce(None).to_dict(), draft={"per_forward": 0.1, "per_row_forward": 0.0})
-    eng.policy.set_profile(CostProfile.from_dict(cheap), measured_here=True)
+    cheap_and_frozen(eng)  # the tiny target as drafter costs a target step here
     reqs = eng.generate(prompts()[:2], dict(mode="spd", k="auto", max_tokens=60))
     ar = engine(None).generate(prompts()[:2], dict(mode="ar", max_tokens=60))
     assert [r.generated for r in reqs] == [r.generated for r in ar]
@@ -269,6 +304,85 @@ def test_k_auto_picks_the_drafter_that_pays_per_row():
         by = r.stats.by_drafter
         assert by["target"]["drafted"] > 3 * by.get("never", {"drafted": 0})["drafted"]
         assert by["target"]["kept"] == by["target"]["drafted"]
+
+
+class Recording:
+    """A model drafter as it is, with the rows of each call it got; failing: every call raises
+    (its replica gone)."""
+
+    def __init__(self, inner, failing: bool = False):
+        self.inner, self.runner, self.kv_capacity_tokens = inner, inner.runner, inner.kv_capacity_tokens
+        self.failing, self.proposed, self.released = failing, [], []
+
+    def propose(self, rows):
+        self.proposed.append([r.key for r in rows])
+        if self.failing:
+            raise ConnectionError("the drafter's replica is gone")
+        return self.inner.propose(rows)
+
+    def release(self, keys):
+        self.released += keys
+        self.inner.release(keys)
+
+
+def cheap_and_frozen(eng) -> None:
+    """Every drafter priced alike and cheap (a drafter forward a tenth of a target step), frozen:
+    k auto drafts, and its choice among drafters is the rows' acceptance and catch-up alone."""
+    cheap = dict(CostProfile.coerce(None).to_dict(), draft={"per_forward": 0.1, "per_row_forward": 0.0})
+    eng.policy.set_profile(CostProfile.from_dict(cheap), measured_here=True)
+
+
+def test_a_finished_request_is_released_only_by_the_drafters_it_drafted_with():
+    """A drafter pool a request never reached gets no release of it (a pool whose replica is gone
+    would cost every retire a call)."""
+    eng = engine({"same": SAME, "cross": (TWIN, SP)})
+    same, cross = Recording(eng.drafters["model"]), Recording(eng.others["cross"])
+    eng.drafters["model"], eng.others["cross"] = same, cross
+    params = [dict(mode="spd", k=4, drafter="same"), dict(mode="spd", k=4, drafter="cross"), dict(mode="ar")]
+    reqs = eng.generate(prompts()[:3], [dict(max_tokens=8, **p) for p in params])
+    assert same.released == [reqs[0].id] and cross.released == [reqs[1].id]
+
+
+def test_a_failing_drafter_is_left_out_of_k_autos_choice_and_its_rows_count_as_lookup():
+    """k auto's first choice (the drafters tie: the first listed) fails: its rows get prompt-lookup
+    drafts, counted as prompt lookup's (not the drafter's acceptance, not its drafts in the stats),
+    and the drafter is left out of the choice until its backoff is over; it is tried again then,
+    and a second failure leaves it out twice as long."""
+    eng = engine({"cross": (TWIN, SP), "same": SAME})
+    broken = Recording(eng.drafters["model"], failing=True)
+    eng.drafters["model"] = broken
+    now = [0.0]
+    eng.drafter_backoff.clock = lambda: now[0]
+    cheap_and_frozen(eng)
+    traces, record = [], eng.policy.record
+    eng.policy.record = lambda t: traces.append((len(broken.proposed), t)) or record(t)
+    reqs = eng.generate(prompts()[:2], dict(mode="spd", k="auto", max_tokens=24))
+    assert [r.generated for r in reqs] == AR[:2]
+    assert len(broken.proposed) == 1  # tried once
+    failed = next(t for calls, t in traces if calls == 1)  # what k auto learnt of the failed round
+    rows = [i for i, r in enumerate(reqs) if r.id in broken.proposed[0]]
+    assert [(failed.kinds[i], failed.keys[i]) for i in rows] == [(PLD, free_key(reqs[i].id)) for i in rows]
+    assert all("cross" not in r.stats.by_drafter for r in reqs)
+    assert sum(r.stats.by_drafter.get("pld", {}).get("drafted", 0) for r in reqs) > 0  # the fallback's
+    assert sum(r.stats.by_drafter.get("same", {}).get("drafted", 0) for r in reqs) > 0
+    assert eng.drafter_backoff.period("cross") == eng.drafter_backoff.first_s
+    now[0] += 1.5 * eng.drafter_backoff.first_s  # its backoff is over
+    eng.generate(prompts()[2:3], dict(mode="spd", k="auto", max_tokens=24))
+    assert len(broken.proposed) == 2 and eng.drafter_backoff.period("cross") == 2 * eng.drafter_backoff.first_s
+
+
+def test_k_auto_is_told_each_candidate_drafters_own_catch_up():
+    """RowInfo.drafter_lags: per drafter a row may use, the tokens it has not seen of the row."""
+    eng = engine({"same": SAME, "cross": (TWIN, SP)})
+    cheap_and_frozen(eng)
+    seen, choose = [], eng.policy.choose
+    eng.policy.choose = lambda rows: seen.append(rows[0]) or choose(rows)
+    req = eng.add(prompts()[0], dict(mode="spd", k="auto", max_tokens=24))
+    while not req.finished:
+        eng.step()
+    assert seen[0].drafters == ("same", "cross") and seen[0].drafter_lags == (req.n_prompt, req.n_prompt)
+    assert all(r.drafter_lag == r.drafter_lags[r.drafters.index(r.drafter or "same")] for r in seen)
+    assert any(len(set(r.drafter_lags)) == 2 and min(r.drafter_lags) < req.n_prompt for r in seen[1:])
 
 
 def test_an_unknown_drafter_is_refused_naming_the_field():
@@ -279,6 +393,9 @@ def test_an_unknown_drafter_is_refused_naming_the_field():
         assert e.field == "drafter" and "same, cross" in e.message
     else:
         raise AssertionError("an unknown drafter was admitted")
+    with pytest.raises(ParamError) as e:  # a long name is quoted as a short prefix
+        eng.add(prompts()[0], dict(drafter="x" * 100_000, max_tokens=8))
+    assert e.value.field == "drafter" and len(str(e.value)) < 200 and "100002 characters" in str(e.value)
 
 
 def test_several_drafters_by_name_and_the_llama_cpp_runtime():

@@ -24,7 +24,7 @@ from deployments.launch import wait_ready
 from deployments.local_cluster import FRONTEND, HA_PROFILE, LocalCluster
 from fly_serve.build import build_engine
 from fly_serve.runtime.tp import free_port
-from loadtest.client import InFlight, Outcome, complete
+from loadtest.client import InFlight, Outcome, complete, stats
 from loadtest.procs import alive
 from loadtest.waits import until, wait_generating
 
@@ -133,9 +133,28 @@ class Sequential:
             self.outcomes.append(complete(self.url, {"prompt": prompt, "max_tokens": 24, "fly": FLY}))
 
     def stop(self) -> list[Outcome]:
+        """Stops after the request under way (a second call returns at once)."""
         self.done.set()
         self.thread.join()  # each request has the client's timeout: a hung one ends as "hung"
         return self.outcomes
+
+
+def drafter_replicas(url: str) -> int:
+    """The ingress's own count of the drafter pool's replicas (replica_pool.LiveReplicas: the
+    groups its rounds split rows into), from /v1/fly/stats."""
+    (n,) = stats(url)["drafter_replicas"].values()
+    return n
+
+
+def counted(url: str, reference: dict, n: int) -> bool:
+    """Whether the ingress counts n drafter replicas within SCALE_S, waves of requests running
+    meanwhile (its rounds ask Serve for the count, at most every few seconds)."""
+    deadline = time.monotonic() + SCALE_S
+    while drafter_replicas(url) != n:
+        if time.monotonic() > deadline:
+            return False
+        wave(url, reference, n=4)
+    return True
 
 
 def pids(cluster) -> dict[str, list[int]]:
@@ -170,25 +189,34 @@ def test_the_head_killed_mid_load_then_restarted_on_its_redis_serves_on_without_
     while running("FlyDrafter") < 2:
         assert time.monotonic() - t_load < SCALE_S, "no second drafter replica under load"
         wave(url, reference)
+    assert counted(url, reference, 2), "the ingress never counted the second drafter replica"
     before = pids(cluster)
     [controller] = cluster.where("ServeController")
     assert cluster.type_of(controller.node_id) == HEAD
     body = {"prompt": PROMPTS[0], "max_tokens": LONG_TOKENS, "fly": {"mode": "fly", "k": 2, "window": 1}}
     flight = InFlight(url, body, n_plain=2, n_stream=1)
-    wait_generating(url, len(flight), timeout_s=60, rounds=2)
+    stream = sequential = None
+    try:  # a failure midway leaves no thread posting to a dead cluster into the next modules
+        wait_generating(url, len(flight), timeout_s=60, rounds=2)
 
-    t_kill = cluster.kill_head()
-    # from the kill until the app is RUNNING again: short requests through the frontend's proxy,
-    # one after another, and a long stream beside them
-    stream = InFlight(url, body, n_plain=0, n_stream=1)
-    during = Sequential(url)
-    gone = until(lambda: time.monotonic() if not alive(controller.pid) else None, 30, 0.1)
-    time.sleep(max(0.0, DOWN_S - (time.monotonic() - t_kill)))
-    t_restart = time.monotonic()
-    t_up = cluster.restart_head()
-    back = until(lambda: time.monotonic() if app_status() == "RUNNING" else None, RECOVERY_S, 0.5)
-    during = during.stop()
-    in_flight = flight.gather(RECOVERY_S) + stream.gather(RECOVERY_S)
+        t_kill = cluster.kill_head()
+        # from the kill until the app is RUNNING again: short requests through the frontend's proxy,
+        # one after another, and a long stream beside them
+        stream = InFlight(url, body, n_plain=0, n_stream=1)
+        sequential = Sequential(url)
+        gone = until(lambda: time.monotonic() if not alive(controller.pid) else None, 30, 0.1)
+        time.sleep(max(0.0, DOWN_S - (time.monotonic() - t_kill)))
+        t_restart = time.monotonic()
+        t_up = cluster.restart_head()
+        back = until(lambda: time.monotonic() if app_status() == "RUNNING" else None, RECOVERY_S, 0.5)
+        during = sequential.stop()
+        in_flight = flight.gather(RECOVERY_S) + stream.gather(RECOVERY_S)
+    finally:
+        if sequential is not None:
+            sequential.stop()
+        for requests_sent in (flight, stream):
+            if requests_sent is not None:
+                requests_sent.close()
     after = pids(cluster)
     [new_controller] = cluster.where("ServeController")
     shed = [o for o in during if o.kind == "error" and o.status == 503 and o.retry_after]
@@ -237,14 +265,25 @@ def test_after_the_head_is_back_the_drafter_pool_scales_again(cluster, reference
     t_idle = time.monotonic()
     assert until(lambda: True if running("FlyDrafter") == 1 else None, SCALE_S), "the pool did not shrink when idle"
     shrunk_s = time.monotonic() - t_idle
+    # the ingress's own count follows (it counted 2 before the head died): one request's rounds
+    # ask Serve's recovered controller, where an ask that hung while the head was down would keep
+    # the count at 2 for good
+    assert generate(url, PROMPTS[0]) == reference[PROMPTS[0]]
+    assert until(lambda: True if drafter_replicas(url) == 1 else None, 30), "the ingress's count did not refresh"
 
     t_load = time.monotonic()
     while running("FlyDrafter") < 2:
         assert time.monotonic() - t_load < SCALE_S, "no second drafter replica under load after the head came back"
         wave(url, reference)
+    grown_s = time.monotonic() - t_load
+    assert counted(url, reference, 2), "the ingress did not count the pool's second replica"
     nodes = {p.node_id for p in cluster.where("FlyDrafter")}
     report(
         "drafter pool after the head's return",
-        {"idle_to_min_s": round(shrunk_s, 1), "grown_under_load_s": round(time.monotonic() - t_load, 1)},
+        {
+            "idle_to_min_s": round(shrunk_s, 1),
+            "grown_under_load_s": round(grown_s, 1),
+            "ingress_counted_s": round(time.monotonic() - t_load, 1),
+        },
     )
     assert nodes == {n.node_id for n in cluster.of_type(DRAFTER)}  # one replica on each drafter node

@@ -2,11 +2,22 @@
 remote parts over fake handles that call real replicas' code in-process, with a replica that
 restarts (forgets every row) in the middle of a generation."""
 
+import threading
+import time
+
 import pytest
 
-from deployments.parts.remote_parts import RemoteDrafter, RemoteScorer
+from deployments.parts.remote_parts import Releases, RemoteDrafter, RemoteScorer
 from deployments.parts.row_history import RowHistory, RowSender, RowsUnknown, rows_unknown
-from fly_serve.build import EngineConfig, assemble_engine, build_engine, load_drafter, load_scorer
+from fly_serve.build import (
+    EngineConfig,
+    assemble_engine,
+    build_engine,
+    drafts_under_grammar,
+    grammars_for,
+    load_drafter,
+    load_scorer,
+)
 from fly_serve.contracts import Row
 from fly_serve.loading.loading import load_tokenizer
 
@@ -113,3 +124,89 @@ def test_remote_parts_send_new_tokens_only_and_survive_a_restart(mode):
     assert [r.text for r in reqs] == expected
     whole = sum(len(r.tokens) for r in reqs) * rounds  # what sending every row whole would cost, at most
     assert target.sent_tokens < whole / 2, (target.sent_tokens, whole)
+
+
+class Unanswered:
+    """A Serve response that never answers (its replica is gone): result waits out its timeout."""
+
+    def __init__(self):
+        self.waited_on: list[int] = []  # the threads that waited for it
+        self.cancelled = threading.Event()
+
+    def result(self, timeout_s=None):
+        self.waited_on.append(threading.get_ident())
+        self.cancelled.wait(timeout_s)
+        raise TimeoutError
+
+    def cancel(self):
+        self.cancelled.set()
+
+
+class Gone:
+    """A handle of a deployment whose replica is gone: every call is Unanswered."""
+
+    def __init__(self):
+        self.calls: list[Unanswered] = []
+
+    def options(self, **_):
+        return self
+
+    def __getattr__(self, name):
+        outer = self
+
+        class Call:
+            def remote(self, *args):
+                outer.calls.append(Unanswered())
+                return outer.calls[-1]
+
+        return Call()
+
+
+def test_releases_are_sent_and_confirmed_off_the_engine_thread():
+    """With one pool's replica gone, a retire costs the engine thread no wait: the releases are
+    sent there and waited for on the releases thread, which cancels each one that did not answer
+    within the release timeout (then it keeps no place in a queue)."""
+    target, drafter = Gone(), Gone()
+    RemoteScorer(target, 10, timeout_s=0.2).release(["a"])
+    RemoteDrafter(drafter, timeout_s=0.2).release(["a", "b"])
+    calls = target.calls + drafter.calls
+    assert len(calls) == 2  # sent, one call per replica group
+    for call in calls:
+        assert call.cancelled.wait(10), "an unanswered release was never cancelled"
+        assert call.waited_on and threading.get_ident() not in call.waited_on
+
+
+def test_releases_waiting_are_bounded():
+    releases = Releases(max_pending=2)
+    held = threading.Event()
+    blocker = Unanswered()
+    blocker.result = lambda timeout_s=None: held.wait(timeout_s)  # the releases thread waits on it
+    waiting = [Unanswered() for _ in range(4)]
+    releases.confirm([blocker], 30, "drafter")
+    deadline = time.monotonic() + 10
+    while releases.pending.qsize():  # the thread took the blocker and waits for it
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    releases.confirm(waiting, 30, "drafter")
+    assert releases.dropped == 2 and [c.cancelled.is_set() for c in waiting] == [False, False, True, True]
+    held.set()
+    for call in waiting[:2]:  # answered: the thread confirms them and goes on
+        call.cancel()
+
+
+def test_a_drafter_pool_drafts_under_a_grammar_as_its_replicas_drafter_does():
+    """The ingress's RemoteDrafter for a pool says what the pool's replicas' drafter says: one of
+    the target's tokenizer drafts under a row's grammar, one of another family does not."""
+    config = EngineConfig(
+        target="tiny:0", drafter=None, drafters={"same": "tiny:1", "cross": "tiny-sp:2"}, max_model_len=256
+    )
+    quiet = dict(progress=lambda _: None)
+    tokenizer, grammars = load_tokenizer("tiny:0"), grammars_for(config, **quiet)
+    said = {}
+    for name in ("same", "cross"):
+        in_replica = load_drafter(config, name=name, **quiet).share_grammars(grammars)
+        said[name] = RemoteDrafter(None, grammars=drafts_under_grammar(config, name, tokenizer)).share_grammars(
+            grammars
+        )
+        assert said[name] == in_replica, name
+    assert said == {"same": True, "cross": False}

@@ -91,3 +91,6 @@ def test_an_unknown_drafter_is_a_400_naming_the_field(url):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == "fly.drafter" and "same, cross" in err["message"]
+    long = {**body, "fly": {"drafter": "x" * 100_000}}  # echoed as a short prefix, not in full
+    r = requests.post(f"{url}/v1/completions", json=long, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "fly.drafter" and len(r.text) < 1000, r.text[:300]

@@ -1090,3 +1090,21 @@ def test_the_engine_tells_the_policy_how_far_its_drafter_lags(tiny_pair):
     assert lags[0] == req.n_prompt
     after = [(lag, n) for lag, n in zip(lags[1:], model_drafted) if n is not None]
     assert after and all(lag == n for lag, n in after)  # what the drafting round committed
+
+
+def test_k_auto_prices_each_candidate_drafters_own_catch_up():
+    """Two drafters alike in cost and in the row's acceptance: the one that has seen the row (the
+    other must prefill what it missed first) drafts it, whichever is listed first."""
+    policy = SpeculationPolicy.from_profile(flat_profile(0.1, per_token=0.02, per_forward=0.01))
+    policy.set_drafters(("a", "b"))
+    policy.frozen = True
+
+    def pick(lags: tuple[int, int]) -> str:
+        policy.choose([RowInfo("r", 8, drafters=("a", "b"), drafter_lags=lags)])
+        return policy.drafter_of[0]
+
+    assert pick((0, 500)) == "a" and pick((500, 0)) == "b"
+    assert pick((3, 3)) == "a"  # a tie: the first listed
+    # one candidate left (the other in its backoff after a failure): that one
+    policy.choose([RowInfo("r", 8, drafters=("b",), drafter_lags=(500,))])
+    assert policy.drafter_of[0] == "b"

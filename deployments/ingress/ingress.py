@@ -50,7 +50,7 @@ from deployments.parts.threads import serve_at_priority, threads_from_ray
 from deployments.profiles.app_args import DEFAULT_MAX_WAITING, AppArgs
 from deployments.routing.replica_pool import LiveReplicas, group_tag, unit_rank
 from deployments.routing.unit_router import STATUS
-from fly_serve.build import assemble_engine, load_drafter, load_scorer
+from fly_serve.build import assemble_engine, drafts_under_grammar, load_drafter, load_scorer
 from fly_serve.engine.params import ParamError
 from fly_serve.loading.loading import load_tokenizer, set_threads
 from fly_serve.runtime.devices import device_for
@@ -132,6 +132,7 @@ class Ingress:
             handles = {names[0]: drafter_handle}
         self.drafter_handles = handles
         local = not handles and args.drafter_placement == "ingress" and bool(names)
+        self.live_replicas: dict[str, LiveReplicas] = {}  # each remote pool's replica count, as rounds see it
 
         def build_engine():
             device = device_for(ray.get_gpu_ids())
@@ -142,8 +143,9 @@ class Ingress:
                 scorer = RemoteScorer(target_handle, len(tokenizer), args.call_timeout_s)
             drafters = {}
             for name, handle in handles.items():  # one drafting call per live replica of each pool (replica_pool.py)
-                live = LiveReplicas(ctx.app_name, deployment_name(name, names[0]))
-                drafters[name] = RemoteDrafter(handle, args.affinity_groups, args.call_timeout_s, live)
+                live = self.live_replicas[name] = LiveReplicas(ctx.app_name, deployment_name(name, names[0]))
+                grammars = drafts_under_grammar(config, name, tokenizer)
+                drafters[name] = RemoteDrafter(handle, args.affinity_groups, args.call_timeout_s, live, grammars)
             if local:
                 if target_handle is not None:  # else the target's threads are the drafter's (one team)
                     set_threads(args.drafter_threads or threads_from_ray())
@@ -264,6 +266,8 @@ class Ingress:
             reports = {name: await self._drafter_cache(name) for name in names}
             out["drafter_cache"] = reports[names[0]]
             out["drafter_caches"] = reports
+        if self.live_replicas:  # each drafter pool's replicas that the rounds split rows among
+            out["drafter_replicas"] = {name: live.last for name, live in self.live_replicas.items()}
         return JSONResponse(out)
 
     async def _drafter_cache(self, name: str) -> dict | None:

@@ -6,11 +6,15 @@ thread (not an event loop), so the blocking `.result()` is fine there.
 Every call waits at most `timeout_s`: a replica that hangs or is gone makes the call raise
 RemoteTimeout, the engine's round fails (the engine retries it, then isolates the rows, and a
 drafter failure falls back to prompt lookup), and no request waits forever. Releases (freeing a
-finished sequence's KV cache) wait less still and never raise: a cache on a dead or replaced
-replica is gone anyway, and a live replica's LRU reclaims what a lost release leaves.
+finished sequence's KV cache) are sent and not waited for on the engine thread (`Releases`: a
+thread of their own confirms them, each within RELEASE_TIMEOUT_S, and logs what failed); they
+never raise: a cache on a dead or replaced replica is gone anyway, and a live replica's LRU
+reclaims what a lost release leaves.
 """
 
 import logging
+import queue
+import threading
 import time
 from collections import Counter, OrderedDict
 
@@ -21,7 +25,8 @@ from fly_serve.contracts import Drafts, Row, Verdict
 
 log = logging.getLogger("fly_serve.remote_parts")
 
-RELEASE_TIMEOUT_S = 5.0  # at most; the engine thread waits for releases between rounds
+RELEASE_TIMEOUT_S = 5.0  # at most, for a release's answer (on the Releases thread, never the engine's)
+MAX_PENDING_RELEASES = 256  # release calls not yet answered; past that a new one is cancelled (LRU reclaims)
 MAX_PINS = 4096  # rows whose drafter group is remembered (running ones; a lost release ages out)
 
 
@@ -35,21 +40,64 @@ def wait(response, timeout_s: float, what: str):
     try:
         return response.result(timeout_s=max(0.0, timeout_s))
     except TimeoutError:  # Serve's own and ray.exceptions.GetTimeoutError
-        try:
-            response.cancel()
-        except Exception:  # best effort: the replica may be gone
-            pass
+        _cancel(response)
         raise RemoteTimeout(f"{what} did not answer within {timeout_s:g} s") from None
 
 
-def release_all(responses: list, timeout_s: float, what: str) -> None:
-    """Waits for release calls together, at most timeout_s in all; logs what failed."""
-    deadline = time.monotonic() + timeout_s
-    for response in responses:
-        try:
-            response.result(timeout_s=max(0.0, deadline - time.monotonic()))
-        except Exception as e:
-            log.warning("%s.release failed (%s); the replica's LRU reclaims those slots", what, type(e).__name__)
+class Releases:
+    """Release calls confirmed off the engine thread. The engine thread sends them (so a release
+    goes before the next round's calls) and hands them here; one thread of this process waits for
+    each answer until RELEASE_TIMEOUT_S after it was sent, cancels a call that did not answer by
+    then (it keeps no place in a replica's queue) and logs what failed. With one drafter pool's
+    replica gone, every retire would otherwise wait out the timeout on the engine thread. At most
+    MAX_PENDING_RELEASES calls wait; past that a new one is cancelled at once: a lost release
+    costs a replica's LRU, never memory without end."""
+
+    def __init__(self, max_pending: int = MAX_PENDING_RELEASES):
+        self.pending: queue.Queue = queue.Queue(max_pending)
+        self.dropped = 0  # calls cancelled because too many were waiting (logged)
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def confirm(self, responses: list, timeout_s: float, what: str) -> None:
+        """Wait for these sent calls on the releases thread, each until timeout_s from now."""
+        deadline = time.monotonic() + timeout_s
+        self._start()
+        for response in responses:
+            try:
+                self.pending.put_nowait((deadline, response, what))
+            except queue.Full:
+                self.dropped += 1
+                _cancel(response)
+                log.warning(
+                    "%s.release dropped (%d waiting); the replica's LRU reclaims those slots",
+                    what,
+                    self.pending.maxsize,
+                )
+
+    def _start(self) -> None:
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="fly-releases", daemon=True)
+                self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            deadline, response, what = self.pending.get()
+            try:
+                wait(response, deadline - time.monotonic(), f"{what}.release")
+            except Exception as e:
+                log.warning("%s.release failed (%s); the replica's LRU reclaims those slots", what, type(e).__name__)
+
+
+def _cancel(response) -> None:
+    try:
+        response.cancel()
+    except Exception:  # best effort: the replica may be gone
+        pass
+
+
+RELEASES = Releases()  # the process's one releases thread, shared by every remote part
 
 
 class RemoteScorer:
@@ -82,7 +130,7 @@ class RemoteScorer:
 
     def release(self, keys: list[str]) -> None:
         self.rows.forget(keys)
-        release_all([self.handle.release.remote(keys)], min(self.timeout_s, RELEASE_TIMEOUT_S), "target")
+        RELEASES.confirm([self.handle.release.remote(keys)], min(self.timeout_s, RELEASE_TIMEOUT_S), "target")
 
 
 class RemoteDrafter:
@@ -94,11 +142,16 @@ class RemoteDrafter:
     prefix is likely cached, within a bound on load), and kept until it is released or the
     number of groups changes.
 
-    `live` returns the number of live replicas (replica_pool.LiveReplicas); without it, one group."""
+    `live` returns the number of live replicas (replica_pool.LiveReplicas); without it, one group.
+    `grammars`: whether the pool's replicas draft under a row's grammar (build.drafts_under_grammar:
+    a drafter of another tokenizer does not)."""
 
-    def __init__(self, handle, max_groups: int = 1, timeout_s: float = DEFAULT_CALL_TIMEOUT_S, live=None):
+    def __init__(
+        self, handle, max_groups: int = 1, timeout_s: float = DEFAULT_CALL_TIMEOUT_S, live=None, grammars: bool = True
+    ):
         self.handle, self.max_groups, self.timeout_s = handle, max_groups, timeout_s
         self.live = live or (lambda: 1)
+        self.grammars = grammars
         # Each row's tokens go once. A row that moves to another replica (the pool changed) is
         # refused there as unknown and sent whole: tokens only grow, so any replica's history of
         # a row is a prefix of it.
@@ -180,10 +233,10 @@ class RemoteDrafter:
             pin = self.pins.pop(key, None)
             groups.setdefault(pin[1] if pin and pin[0] == n else group_of(key, n), []).append(i)
         calls = [self._for(g).release.remote([keys[i] for i in idx]) for g, idx in groups.items()]
-        release_all(calls, min(self.timeout_s, RELEASE_TIMEOUT_S), "drafter")
+        RELEASES.confirm(calls, min(self.timeout_s, RELEASE_TIMEOUT_S), "drafter")
 
     def share_sources(self, sources: dict) -> None:
         pass  # the engine's sources live in this process; a drafter replica keeps its own prompt lookup
 
     def share_grammars(self, grammars) -> bool:
-        return True  # each replica drafts under a row's grammar with its own (build.grammars_for)
+        return self.grammars  # each replica drafts under a row's grammar with its own (build.grammars_for)

@@ -153,6 +153,11 @@ class LiveReplicas:
                 threading.Thread(target=self._refresh, name=f"live-{self.deployment}", daemon=True).start()
             return self._n
 
+    @property
+    def last(self) -> int:
+        """The count rounds get now, without asking for a new one (the service's stats)."""
+        return self._n
+
     def _refresh(self) -> None:
         try:
             n = max(1, int(self.ask()))

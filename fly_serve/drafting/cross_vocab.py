@@ -25,12 +25,16 @@ its drafts are deterministic, drawn greedily.
 The drafter's own stream follows what the target commits: the tokens the two share map one to one,
 other text (a target token the drafter lacks, special tokens' literal text) is re-encoded with the
 drafter's tokenizer (vocab_map.encode_bytes: raw bytes by its byte tokens). A stream is a list of
-segments, each a run of target tokens and the drafter tokens it became, so when the target rejects
-drafts the stream is cut back at the segment holding the first token that changed, and the
-drafter's KV cache (content-addressed: kv_cache.py) keeps the common prefix and feeds the rest; a
-trailing run of text is re-encoded with whatever follows it. A chat request (Row.chat) opens with
-the conversation rendered by the drafter's own chat template, where it has one; otherwise the
-target's rendering is followed as text, behind the drafter's BOS where its tokenizer adds one.
+segments, each a run of target tokens and the drafter tokens it became (`Stream`), so when the
+target rejects drafts the stream is cut back at the segment holding the first token that changed
+(inside a run of shared tokens, at the token itself), and the drafter's KV cache
+(content-addressed: kv_cache.py) keeps the common prefix and feeds the rest; a trailing run of
+text is re-encoded with whatever follows it. Streams are kept within `max_stream_tokens` tokens in
+all, the least recently followed dropped first (a row moved to another replica group never
+releases this one's; a dropped stream is rebuilt from the row's tokens if the row comes back).
+A chat request (Row.chat) opens with the conversation rendered by the drafter's own chat template,
+where it has one; otherwise the target's rendering is followed as text, behind the drafter's BOS
+where its tokenizer adds one.
 
 MLA works in the drafter's token space: the inner drafter's prompt lookup proposes from the
 drafter's stream and the drafter verifies. The engine's shared sources (suffix index, token
@@ -40,46 +44,86 @@ come, which the engine cuts at the first token the grammar refuses.
 """
 
 import logging
+from array import array
 from collections import OrderedDict
-from dataclasses import dataclass, field
 
 import torch
 
-from fly_serve.contracts import Drafts, DraftSource, Row
+from fly_serve.contracts import CROSS_VOCAB_METHODS, Drafts, DraftSource, Row
 from fly_serve.decision.sampling import wire_q
+from fly_serve.runtime.kv_cache import common_prefix
 
 from .drafters import ModelDrafter
 from .vocab_map import SPECIAL, VocabMap, encode_bytes
 
 log = logging.getLogger("fly_serve.drafting.cross_vocab")
 
-METHODS = ("tli", "string")
+METHODS = CROSS_VOCAB_METHODS  # how a drafter of another vocabulary drafts (module docstring)
 LOOK_BEHIND = 4  # target tokens re-encoded with a string-level draft, so its seam tokenizes as the target would
 MAX_STREAMS = 4096  # rows whose stream is kept (running ones; a lost release ages out)
+# Tokens of all streams together, both sides (4 bytes each: 16 MiB at this bound): the streams of
+# rows a drafter replica no longer drafts (moved to another replica group) never free their memory
+# otherwise. Far above what the running rows hold (max_batch rows of max_model_len tokens).
+MAX_STREAM_TOKENS = 1 << 22
+
+# a segment's kind
+RUN = 0  # shared tokens, one drafter token each: a cut inside one is offset arithmetic
+TEXT = 1  # a run of text re-encoded (re-encoded again with the tokens that follow it)
+FIXED = 2  # a whole that is not cut: the opening (BOS, the drafter's chat rendering), a BOS nothing stands for
 
 
-@dataclass
-class _Segment:
-    target_end: int  # target tokens up to here ...
-    drafter_end: int  # ... are the drafter tokens up to here
-    text: bool  # a run of text re-encoded (re-encoded again with the tokens that follow it)
-
-
-@dataclass
 class Stream:
-    """One row's tokens in the drafter's vocabulary, following the target's."""
+    """One row's tokens in the drafter's vocabulary, following the target's: both sides' tokens
+    and the segments that pair them, segment i holding the target tokens up to t_ends[i] and the
+    drafter tokens up to d_ends[i]. Stored compactly (4 bytes a token, 9 a segment, runs of shared
+    tokens merged into one segment): a stream costs about 4 bytes a token on each side."""
 
-    target: list[int] = field(default_factory=list)  # the target tokens followed so far
-    drafter: list[int] = field(default_factory=list)
-    segments: list[_Segment] = field(default_factory=list)
+    __slots__ = ("target", "drafter", "t_ends", "d_ends", "kinds")
 
+    def __init__(self, target=(), drafter=()):
+        self.target, self.drafter = array("i", target), array("i", drafter)
+        self.t_ends, self.d_ends, self.kinds = array("i"), array("i"), bytearray()
+        self.close(FIXED)  # the opening: what the stream started with, as a whole
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+    def __len__(self) -> int:
+        """Tokens held, both sides."""
+        return len(self.target) + len(self.drafter)
+
+    def close(self, kind: int) -> None:
+        """A segment ends here (every token added since the last one is in it)."""
+        self.t_ends.append(len(self.target))
+        self.d_ends.append(len(self.drafter))
+        self.kinds.append(kind)
+
+    def add_shared(self, t: int, d: int) -> None:
+        """A shared token, onto the run it continues."""
+        self.target.append(t)
+        self.drafter.append(d)
+        if self.kinds[-1] == RUN:
+            self.t_ends[-1] += 1
+            self.d_ends[-1] += 1
+        else:
+            self.close(RUN)
+
+    def cut(self, c: int, n: int) -> bool:
+        """Keep what is before the first changed target token c: the segments wholly before it and
+        a run up to it; a trailing run of text is dropped when tokens follow it (n: the row's
+        tokens), to be re-encoded with them. False: nothing is left (open the stream anew)."""
+        t_ends, d_ends, kinds = self.t_ends, self.d_ends, self.kinds
+        while kinds:
+            end, kind = t_ends[-1], kinds[-1]
+            start = t_ends[-2] if len(kinds) > 1 else 0
+            if end > c and kind == RUN and start < c:
+                d_ends[-1] -= end - c  # one drafter token a target token
+                t_ends[-1] = c
+            elif end > c or (kind == TEXT and end < n):
+                del t_ends[-1], d_ends[-1], kinds[-1]
+                continue
+            break
+        if not kinds:
+            return False
+        del self.target[t_ends[-1] :], self.drafter[d_ends[-1] :]
+        return True
 
 
 def _adds_bos(tokenizer) -> int | None:
@@ -97,10 +141,12 @@ class CrossVocabDrafter:
         drafter_tokenizer,
         greedy: str = "string",
         vocab_size: int | None = None,
+        max_stream_tokens: int = MAX_STREAM_TOKENS,
     ):
         """inner: the draft model as a ModelDrafter in its own vocabulary; vmap: the pair's map;
         greedy: the method of a greedy row whose request says "auto"; vocab_size: the target's
-        width of q (its tokenizer's tokens)."""
+        width of q (its tokenizer's tokens); max_stream_tokens: the streams' bound (module
+        docstring)."""
         if greedy not in METHODS:
             raise ValueError(f"greedy: must be one of {', '.join(METHODS)} (got {greedy!r})")
         self.inner, self.vmap, self.greedy = inner, vmap, greedy
@@ -109,6 +155,7 @@ class CrossVocabDrafter:
         self.kv_capacity_tokens = inner.kv_capacity_tokens  # in the drafter's tokens
         self.vocab_size = vocab_size or len(target_tokenizer)
         self.streams: OrderedDict[str, Stream] = OrderedDict()
+        self.max_stream_tokens, self.stream_tokens = max_stream_tokens, 0  # the bound, and all streams' len
         self.target_bos, self.drafter_bos = _adds_bos(target_tokenizer), _adds_bos(drafter_tokenizer)
         self.has_template = bool(getattr(drafter_tokenizer, "chat_template", None))
         self.drafted = {m: 0 for m in METHODS}  # target drafts made by each method since start
@@ -130,6 +177,8 @@ class CrossVocabDrafter:
         return self.inner.cache_report() | {
             "shared_tokens": self.vmap.n_shared,
             "drafted_by_method": dict(self.drafted),
+            "streams": len(self.streams),
+            "stream_tokens": self.stream_tokens,
         }
 
     def share_sources(self, sources: dict[str, DraftSource]) -> None:
@@ -235,26 +284,27 @@ class CrossVocabDrafter:
     def follow(self, row: Row) -> list[int]:
         """The row's tokens in the drafter's vocabulary (module docstring), its stream updated."""
         tokens = row.tokens
-        s = self.streams.get(row.key)
+        s = self.streams.pop(row.key, None)
         if s is not None:
-            c = _common_prefix(s.target, tokens)
-            segs = s.segments
-            # cut back to the last segment wholly before the first change; a trailing run of text
-            # is re-encoded with the tokens that now follow it
-            while segs and (segs[-1].target_end > c or (segs[-1].text and segs[-1].target_end < len(tokens))):
-                segs.pop()
-            if not segs:
+            self.stream_tokens -= len(s)
+            if not s.cut(common_prefix(s.target, array("i", tokens)), len(tokens)):
                 s = None
         if s is None:
             s = self._open(row)
-        self.streams[row.key] = s
-        self.streams.move_to_end(row.key)
-        while len(self.streams) > MAX_STREAMS:
-            self.streams.popitem(last=False)
-        last = s.segments[-1]
-        del s.target[last.target_end :], s.drafter[last.drafter_end :]
-        self._extend(s, tokens[last.target_end :])
-        return s.drafter
+        self._extend(s, tokens[s.t_ends[-1] :])
+        self._keep(row.key, s)
+        return s.drafter.tolist()
+
+    def _keep(self, key: str, s: Stream) -> None:
+        """The stream kept as the most recently followed; the least recent ones dropped while the
+        streams hold more than max_stream_tokens in all (or are more than MAX_STREAMS)."""
+        self.streams[key] = s
+        self.stream_tokens += len(s)
+        while len(self.streams) > 1 and (
+            self.stream_tokens > self.max_stream_tokens or len(self.streams) > MAX_STREAMS
+        ):
+            _, old = self.streams.popitem(last=False)
+            self.stream_tokens -= len(old)
 
     def _open(self, row: Row) -> Stream:
         """A new stream: the conversation in the drafter's own chat template (Row.chat), or the
@@ -269,11 +319,11 @@ class CrossVocabDrafter:
                     add_generation_prompt=True,
                 )
                 ids = self.drafter_tokenizer.encode(text, add_special_tokens=False)
-                return Stream(list(row.tokens[: chat.start]), ids, [_Segment(chat.start, len(ids), False)])
+                return Stream(row.tokens[: chat.start], ids)
             except Exception:  # a template that refuses the conversation: the target's rendering as text
                 log.warning("the drafter's chat template refused a conversation; following the target's", exc_info=True)
         opening = [self.drafter_bos] if self.drafter_bos is not None and self.target_bos is None else []
-        return Stream([], opening, [_Segment(0, len(opening), False)])
+        return Stream((), opening)
 
     def _extend(self, s: Stream, new: list[int]) -> None:
         """Append target tokens to the stream: a shared token as its drafter token, the target's
@@ -286,7 +336,7 @@ class CrossVocabDrafter:
                 ids = encode_bytes(self.drafter_tokenizer, self.vmap.drafter, self.vmap.target.text_of(run))
                 s.target.extend(run)
                 s.drafter.extend(ids)
-                s.segments.append(_Segment(len(s.target), len(s.drafter), True))
+                s.close(TEXT)
                 run.clear()
 
         for t in new:
@@ -297,13 +347,16 @@ class CrossVocabDrafter:
                 run.append(t)
                 continue
             flush()
-            s.target.append(t)
             if d >= 0:
-                s.drafter.append(d)
-            s.segments.append(_Segment(len(s.target), len(s.drafter), False))
+                s.add_shared(t, d)
+            else:
+                s.target.append(t)
+                s.close(FIXED)
         flush()
 
     def release(self, keys: list[str]) -> None:
         self.inner.release(keys)
         for key in keys:
-            self.streams.pop(key, None)
+            s = self.streams.pop(key, None)
+            if s is not None:
+                self.stream_tokens -= len(s)

@@ -22,6 +22,7 @@ import hashlib
 import logging
 import os
 import re
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -219,8 +220,10 @@ def _fingerprint(tokenizer) -> bytes:
 
 def encode_bytes(tokenizer, vocab: Vocab, data: bytes) -> list[int]:
     """Token ids of `data` in this vocabulary, no special tokens added: its valid UTF-8 stretches
-    encoded by the tokenizer, a byte that is not (part of a character cut off, or raw bytes) by the
-    token of that byte, or, where the vocabulary has none, the replacement character's tokens."""
+    encoded by the tokenizer (as text that continues other text: `plain_encoder`), a byte that is
+    not (part of a character cut off, or raw bytes) by the token of that byte, or, where the
+    vocabulary has none, the replacement character's tokens."""
+    encode = plain_encoder(tokenizer, vocab)
     out: list[int] = []
     while data:
         try:
@@ -228,10 +231,51 @@ def encode_bytes(tokenizer, vocab: Vocab, data: bytes) -> list[int]:
         except UnicodeDecodeError as e:
             text, rest = data[: e.start].decode("utf-8"), data[e.start :]
         if text:
-            out += tokenizer.encode(text, add_special_tokens=False)
+            out += encode(text)
         if rest:
             b = int(vocab.byte_ids[rest[0]])
-            out += [b] if b >= 0 else tokenizer.encode("\ufffd", add_special_tokens=False)
+            out += [b] if b >= 0 else encode("\ufffd")
             rest = rest[1:]
         data = rest
     return out
+
+
+# Texts put in front of one to encode, then cut off, by a tokenizer that prepends a space: the
+# first whose own tokens stay apart from the text's (one that merges with the text is skipped)
+SENTINELS = ("\n", "a")
+# tokenizer -> its sentinels' tokens where it prepends a space, else None (weak: no tokenizer kept)
+_prepends: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def plain_encoder(tokenizer, vocab: Vocab):
+    """text -> the tokenizer's ids of exactly that text, no special tokens added. A SentencePiece
+    tokenizer that puts `▁` in front of every encoding (Llama 2, Mistral v1: Metaspace's prepend
+    scheme "always" or "first", or a Prepend normalizer) would turn "abc" into " abc", and a stream
+    re-encoded run by run would gain a space at every run: detected once per tokenizer (the text
+    of "a"), such a tokenizer encodes behind a sentinel (SENTINELS) whose tokens are cut off, as
+    transformers' own Llama tokenizer does behind its unk token."""
+
+    def plain(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    try:
+        heads = _prepends[tokenizer]
+    except (KeyError, TypeError):
+        heads = [(s, plain(s)) for s in SENTINELS] if vocab.text_of(plain("a")) == b" a" else None
+        try:
+            _prepends[tokenizer] = heads
+        except TypeError:  # a tokenizer that takes no weak reference: detected again next time
+            pass
+    if heads is None:
+        return plain
+
+    def behind_sentinel(text: str) -> list[int]:
+        want = text.encode()
+        for sentinel, head in heads:
+            ids = plain(sentinel + text)
+            if ids[: len(head)] == head and vocab.text_of(ids[len(head) :]) == want:
+                return ids[len(head) :]
+        ids = plain(text)  # every sentinel merged with the text: its own encoding, less a lone space
+        return ids[1:] if ids and vocab.text_of(ids[:1]) == b" " and not text.startswith(" ") else ids
+
+    return behind_sentinel

@@ -47,7 +47,8 @@ from fly_serve.k_auto.speculation_policy import RoundTrace, SpeculationPolicy, f
 
 from . import prompts
 from .detokenizer import IncrementalText, find_stop, held_back
-from .params import ParamError, Params
+from .drafter_backoff import DrafterBackoff
+from .params import ParamError, Params, shown
 from .request_stats import RequestStats
 
 log = logging.getLogger("fly_serve.engine.engine")
@@ -165,6 +166,7 @@ class Engine:
         # row's acceptance
         self.policy = SpeculationPolicy.from_profile(speculation_profile)
         self.policy.set_drafters(self.drafter_names)
+        self.drafter_backoff = DrafterBackoff()  # drafters that failed: out of k auto's choice a while
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._ids = itertools.count()
@@ -248,7 +250,7 @@ class Engine:
             raise ParamError("mode", f"{params.mode!r} needs a draft model and this engine has none")
         if params.drafter is not None and params.drafter not in self.drafter_names:
             known = ", ".join(self.drafter_names) or "none"
-            raise ParamError("drafter", f"no drafter named {params.drafter!r} here (drafters: {known})")
+            raise ParamError("drafter", f"no drafter named {shown(params.drafter)} here (drafters: {known})")
         req = Request(request_id or f"req-{next(self._ids)}", prompt, params, self.tokenizer)
         req.matcher = self.grammars.matcher(params)
         req.drafter = params.drafter
@@ -514,6 +516,7 @@ class Engine:
             for b, (req, row, f) in enumerate(zip(batch, rows, fixed))
             if not f and req.params.mode_spec.source == "model" and row.mla and row.k > 0
         }
+        choices = [self._choices(req, h) for req, h in zip(batch, held)]
         infos = [
             RowInfo(
                 row.key,
@@ -521,9 +524,10 @@ class Engine:
                 req.params.mode_spec.source or NONE,
                 fixed=f,
                 free_k=len(offers.get(b, (None, []))[1]),
-                drafter_lag=len(req.tokens) - req.drafter_seen.get(req.drafter or self.default_drafter, 0),
+                drafter_lag=self._lag(req, req.drafter or self.default_drafter),
                 drafter=req.drafter,
-                drafters=self._choices(req, held[b]),
+                drafters=choices[b],
+                drafter_lags=tuple(self._lag(req, name) for name in choices[b]),
             )
             for b, (req, row, f) in enumerate(zip(batch, rows, fixed))
         ]
@@ -546,11 +550,19 @@ class Engine:
         return free
 
     def _choices(self, req: Request, held: Ahead | None) -> tuple[str, ...]:
-        """The drafters k auto may choose a row's among: every one, unless the request names one
-        or its drafts were made ahead (by the default drafter)."""
+        """The drafters k auto may choose a row's among: every one but those in their backoff
+        after a failure (drafter_backoff.py; all of them if every one is), unless the request
+        names one or its drafts were made ahead (by the default drafter)."""
         if req.params.drafter is not None or held is not None or len(self.drafter_names) < 2:
             return ()
-        return self.drafter_names
+        down = self.drafter_backoff.down()
+        return tuple(n for n in self.drafter_names if n not in down) or self.drafter_names
+
+    @staticmethod
+    def _lag(req: Request, name: str | None) -> int:
+        """Tokens the named drafter must prefill before it drafts the row: those committed since
+        it last drafted it (all of them if it never did)."""
+        return len(req.tokens) - req.drafter_seen.get(name, 0)
 
     def _free_offer(self, row: Row) -> tuple[str | None, list[int]]:
         """Up to row.k drafts from the row's first MLA source that proposes any (drafters.py),
@@ -591,7 +603,10 @@ class Engine:
         """Drafts for every row, and whether the model drafter failed this round. Its compute
         seconds, where a remote drafter reports them, ride along (Drafts.compute_s). A failed
         drafter's rows get prompt-lookup drafts (exact at any temperature: a one-hot q), and the
-        next round tries the drafter again: rows carry all their tokens, so they never depend on it."""
+        next round tries the drafter again: rows carry all their tokens, so they never depend on it.
+        Its rows' drafts count as prompt lookup's (added to `free`: k auto learns them, and the
+        stats show them, as lookup drafts, not the drafter's), and the drafter is left out of k
+        auto's choice for a while (drafter_backoff.py)."""
         drafts, fallback = Drafts.empty(len(rows)), False
         groups: dict[tuple[str, str | None], list[int]] = {}  # (kind, model drafter) -> its rows
         for b, r in enumerate(batch):
@@ -611,12 +626,15 @@ class Engine:
                     raise
                 log.warning("drafter %s failed; prompt lookup drafts its rows this round", name, exc_info=True)
                 fallback = True
+                self.drafter_backoff.failed(name)
                 got = self.drafters["pld"].propose([rows[b] for b in idx])
                 got.forwards = 0
                 kind = "fallback"
+                free.update((b, ("pld", got.tokens[i])) for i, b in enumerate(idx))
             for i, b in enumerate(idx):
                 drafts.tokens[b], drafts.q[b] = got.tokens[i], got.q[i]
             if kind == "model":  # the forwards k "auto" costs and learns MLA from
+                self.drafter_backoff.succeeded(name)
                 for b in idx:
                     batch[b].drafter_seen[name] = len(batch[b].tokens)
                 drafts.forwards += got.forwards
@@ -729,10 +747,22 @@ class Engine:
             if req.finish_reason != "error":  # an aborted output is still the target's text
                 self.suffix_index.add(req.tokens)
         self.policy.release(done)
-        for part in (self.scorer, *self.drafters.values(), *self.others.values()):
-            if part is None:
-                continue
+        for part, keys in self._holders(finished):
             try:  # a cache on a dead or replaced replica is gone anyway; LRU reclaims the rest
-                part.release(done)
+                part.release(keys)
             except Exception:
-                log.warning("release of %d finished rows failed", len(done), exc_info=True)
+                log.warning("release of %d finished rows failed", len(keys), exc_info=True)
+
+    def _holders(self, finished: list[Request]) -> list[tuple[object, list[str]]]:
+        """Each part that may hold state of these finished rows, with their keys: the target and
+        the model-free sources every row; a model drafter only the rows it drafted
+        (Request.drafter_seen), the default one with draft-ahead every row (a bet drafts a row
+        that drafted otherwise this round). A drafter pool the rows never reached is not called."""
+        done = [r.id for r in finished]
+        out = [(part, done) for part in (self.scorer, *(self.drafters[k] for k in ("pld", "suffix", "recycle")))]
+        ahead = self.pipeline.stages is not None
+        for name in self.drafter_names:
+            keys = [r.id for r in finished if name in r.drafter_seen or (ahead and name == self.default_drafter)]
+            if keys:
+                out.append((self.model_drafter(name), keys))
+        return out

@@ -7,7 +7,7 @@ both. A bad value is a `ParamError` that names the field.
 
 from dataclasses import dataclass, field, fields
 
-from fly_serve.contracts import ParamError
+from fly_serve.contracts import CROSS_VOCAB_METHODS, ParamError
 
 ENTROPIES = ("topk", "full")  # top-3 entropy in nats (authors' code, vLLM port); normalized full-vocab (paper)
 WINDOW_RULES = ("paper", "authors")  # paper: W positions after j; authors' code: W - 1 (both need j + W <= K)
@@ -26,7 +26,16 @@ MLA_SOURCES = ("pld", "suffix", "recycle")
 # How a drafter of another tokenizer drafts (drafting/cross_vocab.py): "tli" its distribution
 # limited to the tokens both vocabularies share, "string" its text re-encoded by the target's
 # tokenizer; "auto": TLI for a sampling row, the drafter's greedy method for a greedy one
-CROSS_VOCAB = ("auto", "tli", "string")
+CROSS_VOCAB = ("auto", *CROSS_VOCAB_METHODS)
+
+
+SHOWN_CHARS = 64  # of a bad value echoed in its error: a client's megabyte is not sent back
+
+
+def shown(value) -> str:
+    """A value as an error message quotes it: its repr, cut to SHOWN_CHARS."""
+    text = repr(value)
+    return text if len(text) <= SHOWN_CHARS else f"{text[:SHOWN_CHARS]}... ({len(text)} characters)"
 
 
 @dataclass(frozen=True)
@@ -168,7 +177,7 @@ class Params:
 
     def validate(self, prompt_len: int, max_model_len: int) -> "Params":
         def bad(name, why):
-            raise ParamError(name, f"{why} (got {getattr(self, name)!r})")
+            raise ParamError(name, f"{why} (got {shown(getattr(self, name))})")
 
         def is_num(v):
             return isinstance(v, (int, float)) and not isinstance(v, bool)

@@ -33,10 +33,12 @@ class RowInfo:
     # since these were committed): what a probe of a row left at k = 0 pays first
     drafter_lag: int = 0
     # A model row's drafter by name (None: the engine's default), and the drafters k auto may
-    # choose it among (speculation_policy.choose: by the row's acceptance with each and each
-    # one's cost); () or one name: no choice
+    # choose it among (speculation_policy.choose: by the row's acceptance with each, each one's
+    # cost and its catch-up); (): no choice. drafter_lags: drafter_lag of each of `drafters`, in
+    # their order (each has seen the row up to its own last draft)
     drafter: str | None = None
     drafters: tuple[str, ...] = ()
+    drafter_lags: tuple[int, ...] = ()
 
     def __post_init__(self):
         if self.source not in KINDS:

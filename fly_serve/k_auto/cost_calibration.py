@@ -45,7 +45,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fly_serve.config import EngineConfig
+from fly_serve.config import DrafterSpec, EngineConfig
 from fly_serve.contracts import Drafts, Row
 from fly_serve.loading.weights import cache_dir
 from fly_serve.runtime import onednn_linear
@@ -120,10 +120,31 @@ def model_name(model) -> str | None:
     return getattr(getattr(model, "config", None), "_name_or_path", None) or type(model).__name__
 
 
-def calibration_key(config: EngineConfig, k_max: int, *, target=None, drafter=None, **shape) -> dict:
+def drafters_key(config: EngineConfig, drafters: dict | None = None) -> str | None:
+    """The drafters' part of the key, the one place it is made: the model's name alone for one
+    drafter (the key of a single-drafter engine as it always was), name=model for several, the
+    default first; a drafter of another tokenizer that drafts greedy rows by TLI says so (":tli":
+    other work per draft than string-level). drafters: {name: DrafterSpec, model name or loaded
+    model} as build_engine was given them, else the config's (EngineConfig.drafter_specs:
+    `drafters` where set, else `drafter`)."""
+    given = config.drafter_specs() if drafters is None else drafters
+    models = {str(n): _drafter_name(d) for n, d in given.items()}
+    if len(models) <= 1:
+        return next(iter(models.values()), None)
+    return ",".join(f"{n}={m}" for n, m in models.items())
+
+
+def _drafter_name(drafter) -> str | None:
+    if isinstance(drafter, DrafterSpec):
+        return drafter.model if drafter.greedy == "string" else f"{drafter.model}:{drafter.greedy}"
+    return model_name(drafter[0] if isinstance(drafter, tuple) else drafter)  # (model, tokenizer)
+
+
+def calibration_key(config: EngineConfig, k_max: int, *, target=None, drafters=None, **shape) -> dict:
     """Everything a cost profile depends on, from the one config: the machine, the parts (the
-    config's names; target / drafter: a loaded part where the config has no name, named by
-    model_name), their precisions, the batch and k bounds, the versions. shape: the serving shape
+    config's names; target / drafters: loaded parts where the config has no name, named by
+    model_name: drafters_key), their precisions, the batch and k bounds, llama.cpp's kernel
+    choice (reproducible: other kernels, another curve), the versions. shape: the serving shape
     (tp_size, threads per part, where the drafter runs ...), whatever else changes the curve."""
     from fly_serve.loading.loading import resolve_precision, resolve_runtime
 
@@ -131,7 +152,7 @@ def calibration_key(config: EngineConfig, k_max: int, *, target=None, drafter=No
     return {
         "machine": machine(),
         "target": model_name(config.target if target is None else target),
-        "drafter": model_name(config.drafter if drafter is None else drafter),
+        "drafter": drafters_key(config, drafters),
         "dtype": resolve_precision(config.dtype),
         "runtime": resolve_runtime(config.runtime, target_name, progress=lambda _: None),
         "drafter_precision": config.drafter_precision,
@@ -139,6 +160,8 @@ def calibration_key(config: EngineConfig, k_max: int, *, target=None, drafter=No
         "max_batch": int(config.max_batch),
         "k_max": int(k_max),
         "versions": versions(),
+        # named only when on: the keys of every other config stay as they were
+        **({"reproducible": True} if config.reproducible else {}),
         # draft-ahead's curves are timed with both sides busy (measure_profile's stages)
         **({"draft_ahead": [config.draft_threads, config.verify_threads]} if config.draft_ahead else {}),
         **({"extra": {k: shape[k] for k in sorted(shape)}} if shape else {}),
@@ -378,8 +401,14 @@ def calibrate_engine(
     """Load this key's profile from the cache or measure it through the engine's parts (and cache
     it); either way install it into engine.policy (frozen until the next call). refresh: measure
     even if cached. Call it once the engine's parts are up (a serving layer: after its remote
-    replicas answer), before requests run. key: calibration_key(...)."""
+    replicas answer), before requests run. key: calibration_key(...). A cached profile that lacks
+    one of the engine's other drafters (its `drafters`) is measured again: that drafter would be
+    priced as the default."""
     profile = None if refresh or not cache else load_cached(key)
+    others = set(getattr(engine, "others", None) or {})
+    if profile is not None and others - set(profile.drafters):  # an entry made without them: measure
+        progress(f"k auto: the cached profile lacks drafters {', '.join(sorted(others - set(profile.drafters)))}")
+        profile = None
     if profile is not None:
         progress(f"k auto: cost profile from the cache ({cache_path(key)})")
     else:

@@ -34,7 +34,8 @@ Several drafters. An engine with more than one model drafter (each a model of it
 another tokenizer: drafting/cross_vocab.py) lets k auto choose a row's drafter each round, among
 those the row may use (RowInfo.drafters): each drafter keeps the row's acceptance apart
 (drafter_key) and has its own draft costs (the profile's `drafters`, measured at calibration), so
-the row drafts with the one whose plan alone has the best rate, and its free drafts still compete
+the row drafts with the one whose plan alone has the best rate, that drafter's catch-up of the
+row's tokens it has not seen included (RowInfo.drafter_lags), and its free drafts still compete
 with it (_best_sources). The drafters a row does not use age back towards the prior, as its free
 drafts do, so a drafter written off is tried again. A round whose rows use several drafters is
 planned with the costs of the drafter most of them use; the cost check and UnderLoad (which price
@@ -229,21 +230,33 @@ class SpeculationPolicy:
 
     def _pick_drafters(self, rows: list[RowInfo]) -> list[RowInfo]:
         """Each model row that may choose (RowInfo.drafters) with the drafter whose plan for the
-        row alone has the best rate, from the row's acceptance with it and its costs. Plans that
+        row alone has the best rate, from the row's acceptance with it, its costs and its
+        catch-up (the tokens it has not seen of the row, prefilled before it drafts: a drafter
+        the row left long ago pays for its whole gap in the round it drafts again). Plans that
         tie (all at k = 0: plain decoding beats every drafter now) go to the likeliest-kept
         drafter, so that the row's probes measure the one most likely to pay (then the first
-        listed)."""
+        listed). One name: that drafter (the others are in their backoff)."""
         out = []
         for r in rows:
-            if r.source != MODEL or len(r.drafters) < 2:
+            if r.source != MODEL or not r.drafters:
                 out.append(r)
                 continue
             best, best_rate = None, -1.0
-            for name in r.drafters:
+            for i, name in enumerate(r.drafters):
+                lag = r.drafter_lags[i] if i < len(r.drafter_lags) else r.drafter_lag
                 cand = self._with_history(
-                    replace(r, key=self.key_of(r.key, name), drafter=name, acceptance=None, tokens_per_forward=None)
+                    replace(
+                        r,
+                        key=self.key_of(r.key, name),
+                        drafter=name,
+                        acceptance=None,
+                        tokens_per_forward=None,
+                        drafter_lag=lag,
+                    )
                 )
-                rate = plan([cand], self.cost_of(name, 1), overlap=self.overlap).rate
+                cost = self.cost_of(name, 1)
+                p = plan([cand], cost, overlap=self.overlap)
+                rate = p.tokens / (p.seconds + cost.catch_up_s(lag)) if p.ks[0] > 0 and p.seconds > 0 else p.rate
                 tie = best is not None and abs(rate - best_rate) <= 1e-9 * max(rate, best_rate)
                 if best is None or (rate > best_rate and not tie) or (tie and cand.acceptance > best.acceptance):
                     best, best_rate = cand, rate

@@ -161,15 +161,20 @@ def _sp_pieces() -> tuple[dict[str, int], list[tuple[str, str]]]:
     return vocab, merges
 
 
-def tiny_sp_tokenizer() -> PreTrainedTokenizerFast:
+def tiny_sp_tokenizer(prepend: bool = False) -> PreTrainedTokenizerFast:
     """A SentencePiece-like BPE tokenizer (the `▁` word-start marker, merged pieces, byte fallback
     for what it lacks: SP_MISSING and every non-ASCII character) with Gemma's special tokens and
-    chat template: another model family's tokenizer for the tiny cross-vocabulary pairs."""
-    from tokenizers import Tokenizer, decoders, models, normalizers, processors
+    chat template: another model family's tokenizer for the tiny cross-vocabulary pairs.
+    prepend: a `▁` put in front of every encoding (Metaspace's prepend scheme "always", as Llama 2's
+    and Mistral v1's tokenizers do: "abc" is encoded as " abc"), the same vocabulary."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
     vocab, merges = _sp_pieces()
     core = Tokenizer(models.BPE(vocab=vocab, merges=merges, byte_fallback=True, unk_token="<unk>"))
-    core.normalizer = normalizers.Replace(" ", "\u2581")
+    if prepend:
+        core.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always", split=False)
+    else:
+        core.normalizer = normalizers.Replace(" ", "\u2581")
     core.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
     core.add_special_tokens(_SP_SPECIALS)
     core.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 2)])
