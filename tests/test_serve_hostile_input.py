@@ -22,6 +22,7 @@ import pytest
 import requests
 from serve_fixture import start_serve, stop_serve
 
+from deployments.http.admission import serve_limits
 from loadtest.scenarios import App, hostile_input
 
 pytestmark = pytest.mark.serve
@@ -152,6 +153,56 @@ def test_slow_bodies_hold_no_slot_and_are_cut_at_the_deadline(url):
     assert all(a[:2] == (408, "request_timeout") for a in answers), answers
     assert all(BODY_TIMEOUT_S - 0.5 < a[2] < BODY_TIMEOUT_S + 15 for a in answers), answers
     assert wait_idle(url)["in_flight"] == 0
+
+
+def test_slow_bodies_past_the_ingress_limit_hold_up_neither_healthz_nor_a_request(url):
+    """Three times as many sockets as the ingress's Serve limit (max_ongoing_requests) send their
+    headers and part of a body. Their bodies are read in the HTTP proxy (proxy_guard.py), so no
+    Serve place of the replica is held: /healthz and a request beside them are answered before
+    any body deadline has passed (a replica that read bodies itself queued both behind them until
+    deadlines freed places), and every socket gets its 408, those cut to make room for newer
+    reads at once and the rest at the deadline."""
+    limit = serve_limits(MAX_BATCH, MAX_WAITING)["max_ongoing_requests"]
+    with in_flight_beside(url):
+        t0 = time.monotonic()
+        sockets = [slow_body(url) for _ in range(3 * limit)]
+        time.sleep(0.5)
+        health = requests.get(f"{url}/healthz", timeout=TIMEOUT)
+        health_s = time.monotonic() - t0
+        r = post(url, prompt=PROMPT, max_tokens=4)
+        request_s = time.monotonic() - t0
+        answers = []
+        for s in sockets:
+            response = http.client.HTTPResponse(s)
+            response.begin()
+            answers.append((response.status, json.loads(response.read())["error"]["code"]))
+            s.close()
+    assert health.status_code == 200 and r.status_code == 200, (health.text, r.text)
+    assert health_s < BODY_TIMEOUT_S and request_s < BODY_TIMEOUT_S, (health_s, request_s)
+    assert set(answers) == {(408, "request_timeout")}, answers
+    assert wait_idle(url)["in_flight"] == 0
+
+
+@pytest.mark.parametrize("header", ["X-Request-Id", "X-Session-Id", "serve_multiplexed_model_id"])
+def test_a_header_serve_reads_that_is_not_utf8_is_a_400_naming_it(url, header):
+    """Serve's proxy decodes these headers as UTF-8; bytes that are not were its plain-text 500,
+    unlogged. The proxy's guard answers a 400 in OpenAI's error body, naming the header."""
+    u = urlparse(url)
+    with socket.create_connection((u.hostname, u.port), timeout=TIMEOUT) as s:
+        body = json.dumps({"prompt": PROMPT, "max_tokens": 2}).encode()
+        s.sendall(
+            f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n".encode()
+            + header.encode()
+            + b": \xff\xfeid\r\n\r\n"
+            + body
+        )
+        response = http.client.HTTPResponse(s)
+        response.begin()
+        err = json.loads(response.read())["error"]
+    assert response.status == 400, err
+    assert err["param"].lower() == header.lower() and "UTF-8" in err["message"], err
+    assert post(url, prompt=PROMPT, max_tokens=2).status_code == 200
 
 
 def test_a_slow_body_that_completes_in_time_is_served(url):
@@ -355,14 +406,14 @@ def test_a_batch_of_one_token_list_is_a_prompt_and_other_forms_are_named(url):
 
 
 def ingress_log(request_ids: list[str]) -> list[str]:
-    """The ingress replica's log lines that name one of these request ids."""
+    """The log lines of the ingress replica and of the HTTP proxy (whose guard reads the bodies:
+    deployments/http/proxy_guard.py) that name one of these request ids."""
     import ray
 
     # the session of this module's Ray (not /tmp/ray/session_latest: another Ray may be newer)
     logs = Path(ray._private.worker.global_worker.node.get_session_dir_path()) / "logs" / "serve"
-    lines = [
-        line for f in logs.glob("replica_fly_FlyIngress_*.log") for line in f.read_text("utf-8", "replace").splitlines()
-    ]
+    files = [*logs.glob("replica_fly_FlyIngress_*.log"), *logs.glob("proxy_*.log")]
+    lines = [line for f in files for line in f.read_text("utf-8", "replace").splitlines()]
     return [line for line in lines if any(rid in line for rid in request_ids)]
 
 
