@@ -23,6 +23,7 @@ import requests
 from serve_fixture import start_serve, stop_serve
 
 from deployments.http.admission import serve_limits
+from fly_serve.engine.params import MAX_STOP_CHARS
 from loadtest.scenarios import App, hostile_input
 
 pytestmark = pytest.mark.serve
@@ -359,8 +360,75 @@ def test_a_message_role_is_one_of_openais(url, role, says):
 
 
 def test_developer_and_tool_roles_are_served(url):
-    messages = [{"role": "developer", "content": "Be brief."}, *MESSAGES, {"role": "tool", "content": "12:00"}]
+    tool = {"role": "tool", "content": "12:00", "tool_call_id": "call_1"}
+    messages = [{"role": "developer", "content": "Be brief."}, *MESSAGES, tool]
     assert post(url, "chat/completions", messages=messages, max_tokens=2).status_code == 200
+
+
+def prompt_tokens(url: str, messages: list[dict], **extra) -> int:
+    r = post(url, "chat/completions", messages=messages, max_tokens=1, **extra)
+    assert r.status_code == 200, r.text
+    return r.json()["usage"]["prompt_tokens"]
+
+
+def test_a_developer_message_is_the_system_message_of_a_model_without_that_role(url):
+    """OpenAI: developer messages replace system messages; for a model whose template has no
+    developer role it is its system message, not a turn it never saw (or none at all)."""
+    system = prompt_tokens(url, [{"role": "system", "content": "Be brief."}, *MESSAGES])
+    assert prompt_tokens(url, [{"role": "developer", "content": "Be brief."}, *MESSAGES]) == system
+    assert prompt_tokens(url, MESSAGES) < system
+
+
+def test_content_as_text_parts_is_the_text_they_join(url):
+    parts = [{"type": "text", "text": "Say"}, {"type": "text", "text": "something."}]
+    joined = prompt_tokens(url, [{"role": "user", "content": "Say\nsomething."}])
+    assert prompt_tokens(url, [{"role": "user", "content": parts}]) == joined
+    image = [{"type": "image_url", "image_url": {"url": "http://127.0.0.1/x.png"}}]
+    message = refused(
+        post(url, "chat/completions", messages=[{"role": "user", "content": image}]), "messages.0.content.0.type"
+    )
+    assert "only text" in message
+
+
+def test_an_assistant_turns_tool_calls_are_never_dropped(url):
+    """This template cannot show tool calls: the turn that made them is refused, naming them (the
+    default model's template renders them: test_openai_shapes.py), never sent without them."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}
+    for content in (None, "Let me look."):
+        turns = [*MESSAGES, {"role": "assistant", "content": content, "tool_calls": [call]}]
+        turns.append({"role": "tool", "content": "12:00", "tool_call_id": "call_1"})
+        assert "tool calls" in refused(post(url, "chat/completions", messages=turns), "messages.1.tool_calls")
+    assert "required" in refused(
+        post(url, "chat/completions", messages=[{"role": "user", "content": None}]), "messages.0.content"
+    )
+
+
+def test_openais_nulls_are_its_defaults(url):
+    """n, stream and the optional fields as null: what OpenAI (and its SDKs) send for "unset"."""
+    for route, body in (("completions", {"prompt": PROMPT}), ("chat/completions", {"messages": MESSAGES})):
+        r = post(url, route, **body, max_tokens=2, n=None, stream=None, stream_options=None, stop=None, seed=None)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
+
+
+def test_stream_options_without_stream_is_a_400_as_openai_answers(url):
+    for stream in (False, None):
+        r = post(url, prompt=PROMPT, max_tokens=2, stream=stream, stream_options={"include_usage": True})
+        assert "only allowed when 'stream' is enabled" in refused(r, "stream_options")
+
+
+@pytest.mark.parametrize("field, value", [("temperature", 2.5), ("temperature", 50), ("top_p", 1.5)])
+def test_sampling_knobs_are_in_openais_ranges(url, field, value):
+    assert "must be in [0, " in refused(post(url, prompt=PROMPT, max_tokens=2, **{field: value}), field)
+
+
+def test_stop_is_bounded_as_openai_bounds_it(url):
+    """At most 4 stop strings (OpenAI's), each of MAX_STOP_CHARS at most: what a stream holds back
+    and what the engine thread matches every round has a bound."""
+    assert "at most 4" in refused(post(url, prompt=PROMPT, max_tokens=2, stop=["a", "b", "c", "d", "e"]), "stop")
+    long = "x" * (MAX_STOP_CHARS + 1)
+    assert f"at most {MAX_STOP_CHARS}" in refused(post(url, prompt=PROMPT, max_tokens=2, stop=[long]), "stop")
+    r = post(url, prompt=PROMPT, max_tokens=2, stop=["y" * MAX_STOP_CHARS] * 4)
+    assert r.status_code == 200, r.text
 
 
 def test_a_prompt_past_the_context_is_blamed_on_the_prompt(url):
