@@ -267,6 +267,35 @@ def test_a_grammar_no_text_completes_is_a_400(url, body, param):
     assert "no text matches it" in message
 
 
+# A 51-character literal, then a rule no text completes: past the tokens admission walks, so the
+# dead end is met while generating (issue 54: a 500 "generation failed")
+LATE_DEAD_END = 'start: "' + "a" * 51 + '" x\nx: x "b"'
+
+
+def test_a_grammar_dead_end_met_while_generating_is_the_clients_error(url):
+    """Not a server failure: a 400 naming the field before any byte is sent, and for a stream
+    already under way a last event of the client's error type (then [DONE]); the stream beside
+    it ends whole."""
+    body = {"prompt": PROMPT, "max_tokens": 80, "fly": {"mode": "ar", "grammar": LATE_DEAD_END}}
+    with in_flight_beside(url):
+        message = refused(post(url, **body), "fly.grammar")
+        with requests.post(f"{url}/v1/completions", json=body | {"stream": True}, stream=True, timeout=TIMEOUT) as r:
+            assert r.status_code == 200
+            events = [line for line in r.iter_lines(decode_unicode=True) if line]
+    assert "no way on" in message and "no text matches it" in message, message
+    assert events[-1] == "data: [DONE]", events[-3:]
+    err = json.loads(events[-2][len("data: ") :])["error"]
+    assert err["type"] == "invalid_request_error" and err["param"] == "fly.grammar", err
+    text = "".join(json.loads(e[len("data: ") :])["choices"][0]["text"] for e in events[:-2])
+    assert text == "a" * 51  # the literal, streamed before the dead end
+
+
+@pytest.mark.parametrize("field, value", [("regex", "a\ud800b"), ("grammar", 'start: "\ud800"')])
+def test_a_lone_surrogate_in_a_grammar_is_a_400_naming_it(url, field, value):
+    message = refused(post(url, prompt=PROMPT, max_tokens=4, fly={field: value}), f"fly.{field}")
+    assert "Unicode" in message
+
+
 # ---- 5. a json_schema format without its schema
 
 

@@ -297,17 +297,17 @@ class Ingress:
                 params = body.params()
                 prompt = await asyncio.to_thread(self.prompts.prompt_ids, body, chat)
                 # a grammar is compiled and tried here, in a worker thread: one the library
-                # cannot follow is this request's 400, and never costs the engine thread its time
-                await asyncio.to_thread(self.loop.check_grammar, params)
+                # cannot follow is this request's 400, and the engine thread gets it compiled
+                matcher = await asyncio.to_thread(self.loop.check_grammar, params)
             except ParamError as e:
                 raise ApiError(400, str(e), body.client_field(e.field)) from None
-            updates = await self._submit(ids, body, prompt, params, arrival)
+            updates = await self._submit(ids, body, prompt, params, arrival, matcher)
             bodies = ResponseBodies(chat, rid, self.model_name)
             if not body.stream:
-                return await self._collect(ids, updates, bodies)
+                return await self._collect(ids, updates, bodies, body.client_field)
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             response = StreamingResponse(
-                self._stream(ids, updates, bodies, include_usage), media_type="text/event-stream"
+                self._stream(ids, updates, bodies, include_usage, body.client_field), media_type="text/event-stream"
             )
             # A response dropped before it is sent (the client left just now) never starts the
             # stream, so the stream's own cleanup would never run: this one does.
@@ -369,7 +369,7 @@ class Ingress:
             raise ClientDisconnect() from None
         return b"".join(chunks)
 
-    async def _submit(self, ids: Ids, body, prompt: list[int], params: dict, arrival: float) -> asyncio.Queue:
+    async def _submit(self, ids: Ids, body, prompt: list[int], params: dict, arrival: float, matcher) -> asyncio.Queue:
         """Posts the request to the engine loop; the queue then receives its updates. A client
         that leaves meanwhile takes the request out again."""
         updates: asyncio.Queue = asyncio.Queue()
@@ -378,7 +378,7 @@ class Ingress:
         def sink(update: Update) -> None:  # called on the engine thread
             aloop.call_soon_threadsafe(updates.put_nowait, update)
 
-        admitted = asyncio.wrap_future(self.loop.submit(prompt, params, ids.engine, sink, arrival))
+        admitted = asyncio.wrap_future(self.loop.submit(prompt, params, ids.engine, sink, arrival, matcher))
         try:
             await self._watch(ids, lambda: asyncio.shield(admitted))
         except ParamError as e:
@@ -399,20 +399,26 @@ class Ingress:
                 if problem := self.loop.problem():
                     raise generation_failed(ids, problem) from None
 
-    async def _updates(self, ids: Ids, queue: asyncio.Queue) -> AsyncIterator[Update]:
-        """A request's updates up to its last; a failed generation raises (the detail to the log)."""
+    async def _updates(self, ids: Ids, queue: asyncio.Queue, client_field: Callable) -> AsyncIterator[Update]:
+        """A request's updates up to its last; a failed generation raises: the client's error
+        where its own input ended it (a grammar with no way on: 400 naming the field), else a
+        500 (the detail to the log). client_field: the request body's (an engine field as sent)."""
         while True:
             u = await self._watch(ids, queue.get)
+            if u.error and u.error_param:
+                field = client_field(u.error_param)
+                log.info("fly: request %s (%s): ended by its %s: %s", ids.client_id, ids.engine, field, u.error)
+                raise ApiError(400, f"{field}: {u.error}", field, code="grammar_dead_end")
             if u.error:
                 raise generation_failed(ids, u.error)
             yield u
             if u.finish_reason:
                 return
 
-    async def _collect(self, ids: Ids, queue: asyncio.Queue, bodies: ResponseBodies) -> JSONResponse:
+    async def _collect(self, ids: Ids, queue: asyncio.Queue, bodies: ResponseBodies, client_field) -> JSONResponse:
         parts, last = [], None
         try:
-            async for u in self._updates(ids, queue):
+            async for u in self._updates(ids, queue, client_field):
                 parts.append(u.text)
                 last = u
         finally:
@@ -425,14 +431,14 @@ class Ingress:
         if self.slots.give(rid):
             self.loop.abort(rid)
 
-    async def _stream(self, ids: Ids, queue: asyncio.Queue, bodies: ResponseBodies, include_usage: bool):
+    async def _stream(self, ids: Ids, queue: asyncio.Queue, bodies: ResponseBodies, include_usage: bool, client_field):
         done = False
 
         def error_event(e: BaseException) -> dict:
             return self.errors.answer(e, ids).body(ids.client_id)
 
         try:
-            async for event in events(self._updates(ids, queue), bodies, include_usage, error_event):
+            async for event in events(self._updates(ids, queue, client_field), bodies, include_usage, error_event):
                 done = done or event == "data: [DONE]\n\n"
                 yield event
         finally:
