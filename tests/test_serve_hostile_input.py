@@ -24,7 +24,7 @@ from serve_fixture import start_serve, stop_serve
 
 from deployments.http.admission import serve_limits
 from fly_serve.engine.params import MAX_STOP_CHARS
-from loadtest.scenarios import App, hostile_input
+from loadtest.scenarios import App, hostile_input, slow_flood
 
 pytestmark = pytest.mark.serve
 
@@ -555,3 +555,12 @@ def test_the_hostile_scenario_of_the_fault_run_holds(url):
     run = hostile_input(App(url, os.getpid()), MAX_BATCH + MAX_WAITING, BODY_TIMEOUT_S, WITNESS_TOKENS, 4)
     assert run.held, run.summary()
     assert len(run.slow) == MAX_BATCH + MAX_WAITING + 4 and len(run.in_flight) == 2
+    assert run.summary()["status_500"] == 0 and len(run.stops) == 4 and len(run.dead_end) == 2
+
+
+def test_the_slow_flood_of_the_fault_run_holds(url):
+    """The fault run's flood: 3x the ingress's Serve limit in slow-body sockets; /healthz answered
+    beside them, nothing lost, each socket cut with a 408 (its figures are the run's to report)."""
+    run = slow_flood(App(url, os.getpid()), BODY_TIMEOUT_S, 4)
+    assert run.held, run.summary()
+    assert len(run.slow) == 3 * serve_limits(MAX_BATCH, MAX_WAITING)["max_ongoing_requests"]

@@ -11,8 +11,10 @@ What runs before a handler is middleware.py (request ids, the API key, exception
 bodies and the failure metric, errors.py). A generation's way through its handler, each step able
 to end it with an error that carries the request id: draining / loading / unhealthy (503 with
 Retry-After, at once), the body's size (413, before it is read) and its time (408 past
-body_timeout_s), its shape (400 naming the field), at capacity (503: a slot is taken only for a
-body read and parsed, so a slow client holds none), the prompt tokenized and its grammar compiled
+body_timeout_s; the HTTP proxy's guard, http/proxy_guard.py, has read it whole already and applied
+both, so a slow client waits there and holds none of this replica's Serve places: these are for a
+proxy without it), its shape (400 naming the field), at capacity (503: a slot is taken only for a
+body read and parsed), the prompt tokenized and its grammar compiled
 in worker threads (tokenization.py, grammar.py, 400), admission by the engine loop (400), then the
 generation, collected or streamed (sse.py). A client that leaves at any step takes its request out
 of the engine. Whether the parts are sound is health.py's.
@@ -157,6 +159,7 @@ class Ingress:
         # the loop's thread too
         self.prober = Prober(self._parts(target_handle, drafter_handle), on_ready=lambda: self._calibrate(engine, args))
         self.slots = Slots(args.max_batch + args.max_waiting)
+        self.ongoing_limit = serve_limits(args.max_batch, args.max_waiting)["max_ongoing_requests"]  # Serve's
         self.draining = False
 
     def _calibrate(self, engine, args: AppArgs) -> None:
@@ -250,6 +253,7 @@ class Ingress:
             "status": self._state()[0],
             "in_flight": len(self.slots),
             "capacity": self.slots.capacity,
+            "ongoing_limit": self.ongoing_limit,  # Serve's max_ongoing_requests of this replica
         }
         if self.drafter_handle is not None or self.local_drafter is not None:
             out["drafter_cache"] = await self._drafter_cache()
