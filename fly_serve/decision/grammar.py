@@ -474,10 +474,10 @@ class Grammars:
 
     def fresh(self, text: str, field: str = "grammar") -> Matcher:
         """A matcher of this grammar text at its start: a copy of one compiled here, else compiled."""
-        with self._lock:
+        with self._lock:  # copied under the lock: one matcher is never read by two threads at once
             kept = self._compiled.get(text)
-        if kept is not None:
-            return kept.copy()
+            if kept is not None:
+                return kept.copy()
         m = Matcher(self.tokenizer, text, self.eos_ids, field=field)
         self._keep(m)
         return m
