@@ -149,7 +149,9 @@ class ProxyGuard:
             body = await self._read_body(scope, receive)
         except Refused as e:
             where = f"{scope['method']} {scope['path']}"
-            log.warning("fly: %s refused in the proxy (%s, %d): %s", where, rid, e.status, e)
+            # a client's error, and a flood of slow bodies is many: info, as the replicas log 4xx
+            level = logging.WARNING if e.code == "invalid_header" else logging.INFO
+            log.log(level, "fly: %s refused in the proxy (%s, %d): %s", where, rid, e.status, e)
             return await self._answer(e, rid, scope, receive, send)
         except Gone:
             log.info("fly: %s %s: the client left before its body was read (%s)", scope["method"], scope["path"], rid)
