@@ -64,7 +64,7 @@ def held_back(text: str, stops: list[str]) -> int:
     stream holds them back until the next round tells. O(len(s)) per stop string s (it runs on the
     engine thread for every streamed request every round), where trying every prefix would cost
     O(len(s)^2)."""
-    return max((_open_prefix(text, s) for s in stops), default=0)
+    return max((_open_prefix(text, s) for s in dict.fromkeys(stops)), default=0)
 
 
 def _open_prefix(text: str, stop: str) -> int:
