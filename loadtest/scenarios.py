@@ -548,10 +548,7 @@ class SlowFlood:
             "ongoing_limit": self.ongoing_limit,
             "slow_sockets": len(self.slow),
             "slow_statuses": sorted({f"{b.status} {b.code}" for b in self.slow}),
-            "slow_answered_s": [
-                min((b.seconds for b in self.slow), default=0),
-                max((b.seconds for b in self.slow), default=0),
-            ],
+            "slow_answered_s_min_max": [round(f((b.seconds for b in self.slow), default=0), 1) for f in (min, max)],
             "healthz_p99_idle_s": p99(self.healthz_idle),
             "healthz_p99_beside_s": healthz,
             "ttft_idle_median_s": round(idle, 3),
