@@ -215,13 +215,15 @@ def table(summary: dict) -> str:
         refused = [*ho["nested"].values(), *ho["grammar"].values()]
         sent = len(refused) + ho["slow_bodies"] + ho["beside_slow"]["sent"] + ho["in_flight"]["sent"]
         answered = ho["beside_slow"]["answered"] + ho["in_flight"]["answered"]
+        answered += sum(r.startswith("200 None") for r in ho["stops"].values())
         note = f"refused {refused}; slow bodies {ho['slow_statuses']} after {max(ho['slow_answered_s'], default=0)} s"
         note += f"; in flight whole {ho['in_flight_finished_normally']}/{ho['in_flight']['sent']}"
         refused += [*ho["stops"].values(), *ho["late_dead_end"].values()]
         sent += len(ho["stops"]) + len(ho["late_dead_end"])
         note += f"; stops {ho['stops']}; late dead end {ho['late_dead_end']}; 5xx: {ho['status_500']}"
         rows.append(["hostile", "hostile input (nested JSON, grammars, stops, slow bodies)", sent, answered])
-        rows[-1] += [len(refused) + ho["slow_bodies"], ho["in_flight"]["dropped"], ho["in_flight"]["hung"], note]
+        errored = sum(not r.startswith("200 None") for r in refused) + ho["slow_bodies"]  # a stream's error event too
+        rows[-1] += [errored, ho["in_flight"]["dropped"], ho["in_flight"]["hung"], note]
     if "ongoing_limit" in sf:
         note = f"/healthz p99 {sf['healthz_p99_beside_s']} s (idle {sf['healthz_p99_idle_s']}); TTFT "
         note += (

@@ -524,7 +524,7 @@ def p99(values: list[float | None]) -> float | None:
     if not values or None in values:
         return None
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, -(-99 * len(ordered) // 100) - 1)]
+    return round(ordered[min(len(ordered) - 1, -(-99 * len(ordered) // 100) - 1)], 3)
 
 
 @dataclass
