@@ -531,7 +531,7 @@ def p99(values: list[float | None]) -> float | None:
 class SlowFlood:
     ongoing_limit: int  # the ingress's Serve max_ongoing_requests
     healthz_idle: list[float | None]
-    ttft_idle: list[float | None]
+    ttft_idle: list[float | None]  # before the flood and after it (the machine's drift shows in both)
     slow: list[SlowBody]  # FLOOD_FACTOR x ongoing_limit sockets
     healthz_beside: list[float | None]
     ttft_beside: list[float | None]
@@ -577,7 +577,8 @@ class SlowFlood:
 def slow_flood(app: App, body_timeout_s: float, probe_tokens: int) -> SlowFlood:
     """Idle /healthz and time to first token; then FLOOD_FACTOR x the ingress's ongoing limit in
     sockets that send headers and part of a body, and the same measured beside them, plus plain
-    requests; then every socket's answer (a 408: cut to make room, or at the body deadline)."""
+    requests; then every socket's answer (a 408: cut to make room, or at the body deadline); then
+    the idle time to first token again (its median over both sides is the flood's baseline)."""
     limit = int(stats(app.url)["ongoing_limit"])
     body = {"prompt": PROMPT, "max_tokens": probe_tokens}
     healthz_idle = [healthz_s(app.url, app.timeout_s) for _ in range(N_HEALTHZ)]
@@ -590,6 +591,7 @@ def slow_flood(app: App, body_timeout_s: float, probe_tokens: int) -> SlowFlood:
     plain = [complete(app.url, body, timeout_s=app.timeout_s) for _ in range(2)]
     with ThreadPoolExecutor(len(sockets)) as pool:  # each read as it comes: its time is its answer's
         answers = list(pool.map(lambda s: _answer(s, t0), sockets))
+    idle += [first_token_s(app.url, body, app.timeout_s) for _ in range(N_TTFT)]  # idle again, after
     return SlowFlood(
         limit,
         healthz_idle,
