@@ -19,6 +19,9 @@ from pathlib import Path
 
 import yaml
 
+from deployments.http import proxy_guard
+from deployments.profiles.app_args import AppArgs
+
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = ROOT / "deployments" / "profiles" / "cpu-default.yaml"
 GRACE_S = 30.0  # --grace-s when the config sets no graceful_shutdown_timeout_s
@@ -146,18 +149,39 @@ def deploy_config(config) -> None:
     client.deploy_apps(config, _blocking=False)
 
 
-def prepare_environment() -> None:
+def prepare_environment(proxy: dict[str, str] | None = None) -> None:
     """What every Ray process this one starts inherits: no auth on a local Ray (an operator's
-    value wins), and this checkout on PYTHONPATH, so the replicas import its `deployments` and
-    `fly_serve`."""
+    value wins), this checkout on PYTHONPATH, so the replicas import its `deployments` and
+    `fly_serve`, and the HTTP proxies' guard (http/proxy_guard.py) with `proxy`'s bounds
+    (proxy_bounds; default: the app's defaults). An operator's own proxy hook wins, with a warning:
+    its proxies then read bodies inside the replicas."""
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    wanted = proxy or proxy_bounds([AppArgs()])
+    hook = os.environ.get(proxy_guard.PROXY_HOOK_ENV)
+    if hook not in (None, "", proxy_guard.HOOK):
+        print(
+            f"fly-serve: {proxy_guard.PROXY_HOOK_ENV}={hook} is set: the proxy guard is off (slow request "
+            "bodies are read inside the replicas)",
+            file=sys.stderr,
+            flush=True,
+        )
+        return
+    os.environ.update(wanted)
+
+
+def proxy_bounds(apps: list[AppArgs]) -> dict[str, str]:
+    """The proxy guard's environment for these applications: the largest body and the longest
+    body deadline any of them allows (each app's ingress checks its own again)."""
+    apps = apps or [AppArgs()]
+    return proxy_guard.environment(max(a.max_body_bytes for a in apps), max(a.body_timeout_s for a in apps))
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     stop = StopSignals()  # before Ray starts: a SIGTERM during start-up also stops cleanly
-    prepare_environment()
+    config = load_config(args.config, args.host, args.port, args.tiny)
+    prepare_environment(proxy_bounds([AppArgs.model_validate(app.args or {}) for app in config.applications]))
     # Ray starts its workers at nice 15 to keep its own daemons responsive on a shared node; here
     # the workers are the service, and on a CPU node a niced target replica loses a core's share
     # to every waking daemon (its OMP threads then wait for each other). An operator's value wins.
@@ -179,7 +203,6 @@ def main(argv: list[str] | None = None) -> int:
     import ray
     from ray import serve
 
-    config = load_config(args.config, args.host, args.port, args.tiny)
     grace_s = config_grace_s(config) if args.grace_s is None else args.grace_s
     ray.init(
         address="local",

@@ -11,8 +11,13 @@ for the rest), one server at a time, and its result names that profile:
   on --profile (default cpu-default, the app as `fly-serve serve` starts it):
   c. overload: 4 x max_batch + max_waiting concurrent short requests: 200 / 503 / other / hung;
   d. hostile input beside requests in flight: JSON nested past the parser, grammars the library
-     cannot follow or that no text completes (each a 400), and max_batch + max_waiting + 4 slow
-     bodies (each a 408 after the profile's body_timeout_s, while requests beside them are served);
+     cannot follow or that no text completes, at once or after 51 tokens, stop lists past OpenAI's
+     bound, lone surrogates in a grammar (each a 400, a stream's dead end an error event of the
+     client's type), and max_batch + max_waiting + 4 slow bodies (each a 408 after the profile's
+     body_timeout_s, while requests beside them are served); 5xx answers counted (0 expected);
+  d2. slow_flood: 3x the ingress's Serve limit (max_ongoing_requests) in slow-body sockets:
+     /healthz p99 and a streamed request's time to first token beside them against idle, lost
+     requests (goals: p99 <= 2 s, TTFT <= 2x idle, 0 lost);
   e. schemathesis against the app's own OpenAPI schema, 1,000 fresh cases per route by default
      (a new seed each run, printed), and fuzz.PINNED's hostile bodies: status codes, and every 5xx;
   f. (--soak N) soak.py's long run of N requests: outcomes, RSS at its start and end;
@@ -52,7 +57,7 @@ import yaml
 from . import fuzz, soak
 from .client import InFlight, Tally, complete, failures
 from .procs import alive, descendants, kill_ours
-from .scenarios import BODY_TIMEOUT_S, PROMPT, App, drafter_kill, hostile_input, overload, tp_rank_kill
+from .scenarios import BODY_TIMEOUT_S, PROMPT, App, drafter_kill, hostile_input, overload, slow_flood, tp_rank_kill
 from .server import ROOT, ClusterProcess, ServeProcess, profile_path
 from .waits import until, wait_generating, wait_healthy
 
@@ -80,6 +85,17 @@ def hostile_summary(run) -> dict:
     return out
 
 
+def flood_summary(run) -> dict:
+    """The slow flood's summary; /healthz not answered in time beside it, a request lost, or a
+    socket not cut with a 408 fails the phase (the time to first token is reported against its goal)."""
+    out = run.summary()
+    if not run.held:
+        out["failed"] = (
+            "/healthz was slow or unanswered beside the slow bodies, a request was lost, or a socket not cut"
+        )
+    return out
+
+
 def fuzz_run(app: App, args) -> dict:
     run = fuzz.fuzz_app(app.url, args.fuzz_cases, args.fuzz_max_tokens, app.timeout_s, args.fuzz_seed)
     return run.summary()
@@ -88,7 +104,7 @@ def fuzz_run(app: App, args) -> dict:
 # The kills need processes to kill: a drafter replica and a TP group's ranks, which the default
 # profile (drafter and target inside the ingress process) does not have.
 REPLICA_PHASES = ("drafter_kill", "tp_rank_kill")
-APP_PHASES = ("overload", "hostile", "schemathesis", "soak")
+APP_PHASES = ("overload", "hostile", "slow_flood", "schemathesis", "soak")
 CLUSTER_PHASES = ("head_kill",)  # on a local multi-node cluster of its own
 PHASES = REPLICA_PHASES + APP_PHASES + CLUSTER_PHASES
 
@@ -103,6 +119,7 @@ def phases(app: App, args, prof: dict) -> dict[str, Callable[[], dict]]:
         "tp_rank_kill": lambda: tp_rank_kill(app, args.inflight_tokens, args.max_tokens).summary(),
         "overload": lambda: overload(app, max_batch, max_waiting, args.max_tokens).summary(),
         "hostile": lambda: hostile_summary(hostile_input(app, slots, body_timeout_s, args.inflight_tokens, 4)),
+        "slow_flood": lambda: flood_summary(slow_flood(app, body_timeout_s, args.max_tokens)),
         "schemathesis": lambda: fuzz_run(app, args),
         "soak": lambda: soak_run(app, args),
     }
@@ -234,7 +251,7 @@ def table(summary: dict) -> str:
     rows: list[list] = []  # each row's first cell: the scenario it belongs to
     d, tp, ov = summary.get("drafter_kill", {}), summary.get("tp_rank_kill", {}), summary.get("overload", {})
     fz, sk = summary.get("schemathesis", {}), summary.get("soak")
-    ho = summary.get("hostile", {})
+    ho, sf = summary.get("hostile", {}), summary.get("slow_flood", {})
     if "in_flight" in d:
         back = "no new replica drafted" if d["recovery_s"] is None else f"drafting again after {d['recovery_s']} s"
         note = f"{back} (pid {d['drafter_pid']})"
@@ -260,10 +277,24 @@ def table(summary: dict) -> str:
         refused = [*ho["nested"].values(), *ho["grammar"].values()]
         sent = len(refused) + ho["slow_bodies"] + ho["beside_slow"]["sent"] + ho["in_flight"]["sent"]
         answered = ho["beside_slow"]["answered"] + ho["in_flight"]["answered"]
+        answered += sum(r.startswith("200 None") for r in ho["stops"].values())
         note = f"refused {refused}; slow bodies {ho['slow_statuses']} after {max(ho['slow_answered_s'], default=0)} s"
         note += f"; in flight whole {ho['in_flight_finished_normally']}/{ho['in_flight']['sent']}"
-        rows.append(["hostile", "hostile input (nested JSON, grammars, slow bodies)", sent, answered])
-        rows[-1] += [len(refused) + ho["slow_bodies"], ho["in_flight"]["dropped"], ho["in_flight"]["hung"], note]
+        refused += [*ho["stops"].values(), *ho["late_dead_end"].values()]
+        sent += len(ho["stops"]) + len(ho["late_dead_end"])
+        note += f"; stops {ho['stops']}; late dead end {ho['late_dead_end']}; 5xx: {ho['status_500']}"
+        rows.append(["hostile", "hostile input (nested JSON, grammars, stops, slow bodies)", sent, answered])
+        errored = sum(not r.startswith("200 None") for r in refused) + ho["slow_bodies"]  # a stream's error event too
+        rows[-1] += [errored, ho["in_flight"]["dropped"], ho["in_flight"]["hung"], note]
+    if "ongoing_limit" in sf:
+        note = f"/healthz p99 {sf['healthz_p99_beside_s']} s (idle {sf['healthz_p99_idle_s']}); TTFT "
+        note += (
+            f"{sf['ttft_beside_s']} s vs idle {sf['ttft_idle_median_s']} s ({sf['ttft_ratio']}x); goals {sf['goals']}"
+        )
+        note += f"; sockets {sf['slow_statuses']} after {sf['slow_answered_s_min_max']} s"
+        n = sf["slow_sockets"]
+        rows.append(["slow_flood", f"slow bodies, {n} sockets (3x Serve limit {sf['ongoing_limit']})", n])
+        rows[-1] += ["", n, "", "", note]
     if "cases_per_route" in fz:
         statuses: dict[str, int] = {}
         for per_op in fz["statuses"].values():

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import requests
 
 from .client import CLIENT_TIMEOUT_S, post_raw
-from .scenarios import GRAMMAR_FAILURES, NESTED_BODIES, PROMPT
+from .scenarios import GRAMMAR_FAILURES, LATE_DEAD_END, NESTED_BODIES, PROMPT, STOP_CASES
 
 CASES_PER_ROUTE = 50  # the default suite's short run; the fault run draws 1,000+ per route
 MAX_TOKENS = 8  # fuzzed bodies ask for at most this many tokens: the fuzz is about shapes
@@ -35,8 +35,10 @@ class RouteFuzz:
     server_errors: list[str] = field(default_factory=list)  # the first 5xx ends the route's run
 
 
-# (path, raw body, the status it must get): a 400 each, where they were a 500 (nested JSON) or a
-# 200 "stop" with no text (a grammar the library gave up on at its first token, or that nothing completes)
+# (path, raw body, the status it must get): a 400 each, where they were a 500 (nested JSON, a
+# lone surrogate in a grammar, a grammar's dead end after 51 tokens) or a 200 "stop" with no text
+# (a grammar the library gave up on at its first token, or that nothing completes); stop lists
+# past OpenAI's bound a 400, at it a 200 (issue 54)
 PINNED: dict[str, tuple[str, bytes, int]] = {
     **{name: ("/v1/completions", raw, 400) for name, raw in NESTED_BODIES.items()},
     **{
@@ -46,6 +48,11 @@ PINNED: dict[str, tuple[str, bytes, int]] = {
             400,
         )
         for name, extra in GRAMMAR_FAILURES.items()
+    },
+    "late_grammar_dead_end": ("/v1/completions", json.dumps({"prompt": PROMPT, **LATE_DEAD_END}).encode(), 400),
+    **{
+        name: ("/v1/completions", json.dumps({"prompt": PROMPT, "max_tokens": MAX_TOKENS, "stop": stop}).encode(), want)
+        for name, (stop, want) in STOP_CASES.items()
     },
 }
 

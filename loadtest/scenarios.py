@@ -6,8 +6,12 @@ dataclass: tests/test_faults.py asserts on the results, fault_run.py prints them
   overload       more concurrent requests than the batch and the queue hold
   sigterm_drain  SIGTERM to `fly-serve serve` with requests in flight (the server is this run's child)
   hostile        hostile input beside requests in flight: JSON nested past the parser, grammars the
-                 library cannot follow or that no text completes, and more slow bodies than the
-                 replica has slots (each must be a 4xx; the requests in flight end whole)
+                 library cannot follow or that no text completes (at once, or only after 51 tokens),
+                 stop lists past OpenAI's bound, lone surrogates in a grammar, and more slow bodies
+                 than the replica has slots (each must be a 4xx; the requests in flight end whole)
+  slow_flood     3x the ingress's Serve limit (max_ongoing_requests) in sockets that send headers and
+                 dribble a body: /healthz latency and a streamed request's time to first token
+                 beside them against the same idle, and nothing lost
 
 Pids come from procs.replica_pids (the process tree under App.root_pid) and only processes this
 process started are killed (procs.kill_ours). Every request has a client timeout; every wait
@@ -18,10 +22,13 @@ import http.client
 import json
 import signal
 import socket
+import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from urllib.parse import urlparse
+
+import requests
 
 from .client import CLIENT_TIMEOUT_S, InFlight, Outcome, Tally, complete, failures, post_raw, stats
 from .procs import alive, kill_ours, replica_pids
@@ -324,6 +331,20 @@ GRAMMAR_FAILURES = {
     "refs_that_only_loop": {
         "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#"}}}
     },
+    "lone_surrogate_in_a_regex": {"fly": {"regex": "a\ud800b"}},
+    "lone_surrogate_in_a_grammar": {"fly": {"grammar": 'start: "\ud800"'}},
+}
+# A 51-character literal, then a rule no text completes: admission's walk (8 tokens) passes it, the
+# generation meets the dead end (issue 54: a 500 "generation failed"). Each case must be a 400
+# naming fly.grammar, a stream's last event of type invalid_request_error.
+LATE_DEAD_END = {"fly": {"mode": "ar", "grammar": 'start: "' + "a" * 51 + '" x\nx: x "b"'}, "max_tokens": 80}
+# stop lists past OpenAI's bound (4 strings; here 512 characters each): a 400 naming stop; at the
+# bound: served. The last one is the issue's cost case, 1,000 strings of 3.5 KB (3.5 MB of body).
+STOP_CASES = {
+    "five_stops": (["a", "b", "c", "d", "e"], 400),
+    "a_stop_of_513_characters": (["x" * 513], 400),
+    "a_thousand_stops_of_3500_characters": (["y" * 3500] * 1000, 400),
+    "four_stops_of_512_characters": (["z" * 512] * 4, 200),
 }
 
 
@@ -341,6 +362,8 @@ class Hostile:
     in_flight: list[Outcome]  # generations in flight through all of it (plain first, the stream last)
     nested: dict[str, Outcome]
     grammar: dict[str, Outcome]
+    stops: dict[str, Outcome]
+    dead_end: dict[str, Outcome]  # "plain", "stream"
     slow: list[SlowBody]  # more sockets than slots, each declaring a body it never sends
     beside_slow: list[Outcome]  # requests sent while the slow bodies were held
 
@@ -348,12 +371,18 @@ class Hostile:
         def status(o: Outcome) -> str:
             return f"{o.status} {((o.body or {}).get('error') or {}).get('param')}" if o.status else o.kind
 
+        def event(o: Outcome) -> str:  # a stream's last event: its status, and the error's type and field
+            err = (o.body or {}).get("error") or {}
+            return f"{o.status} {err.get('type')} {err.get('param')}" if err else status(o)
+
         return {
             "in_flight": asdict(Tally.of(self.in_flight)),
             "in_flight_finished_normally": sum(o.finished_normally for o in self.in_flight),
             "in_flight_errors": failures(self.in_flight),
             "nested": {name: status(o) for name, o in self.nested.items()},
             "grammar": {name: status(o) for name, o in self.grammar.items()},
+            "stops": {name: status(o) for name, o in self.stops.items()},
+            "late_dead_end": {name: event(o) for name, o in self.dead_end.items()},
             "slow_bodies": len(self.slow),
             "slow_statuses": sorted({f"{b.status} {b.code}" for b in self.slow}),
             "slow_answered_s": [round(b.seconds, 1) for b in self.slow],
@@ -361,15 +390,29 @@ class Hostile:
             "beside_slow_errors": failures(self.beside_slow),
             "slots": self.slots,
             "body_timeout_s": self.body_timeout_s,
+            "status_500": self.server_errors,
         }
+
+    @property
+    def server_errors(self) -> int:
+        """Answers with a 5xx status (or a stream's server_error event) among the hostile requests."""
+        hostile = [*self.nested.values(), *self.grammar.values(), *self.stops.values(), *self.dead_end.values()]
+        return sum(
+            (o.status or 0) >= 500 or ((o.body or {}).get("error") or {}).get("type") == "server_error" for o in hostile
+        )
 
     @property
     def held(self) -> bool:
         """Every hostile request got its 4xx, and nothing beside them was lost."""
         refused = all(o.status == 400 for o in [*self.nested.values(), *self.grammar.values()])
+        stops = all(self.stops[name].status == want for name, (_, want) in STOP_CASES.items())
+        dead = self.dead_end["plain"].status == 400 and all(
+            ((o.body or {}).get("error") or {}).get("param") == "fly.grammar" for o in self.dead_end.values()
+        )
+        dead = dead and ((self.dead_end["stream"].body or {}).get("error") or {}).get("type") == "invalid_request_error"
         cut = all(b.status == 408 for b in self.slow)
         whole = all(o.finished_normally for o in self.in_flight) and all(o.kind == "ok" for o in self.beside_slow)
-        return refused and cut and whole
+        return refused and stops and dead and cut and whole and self.server_errors == 0
 
 
 def _slow_body(url: str, timeout_s: float) -> socket.socket:
@@ -419,6 +462,143 @@ def hostile_input(app: App, slots: int, body_timeout_s: float, inflight_tokens: 
         name: complete(app.url, {"prompt": PROMPT, "max_tokens": probe_tokens, **extra}, timeout_s=app.timeout_s)
         for name, extra in GRAMMAR_FAILURES.items()
     }
+    stops = {
+        name: complete(app.url, {"prompt": PROMPT, "max_tokens": probe_tokens, "stop": stop}, timeout_s=app.timeout_s)
+        for name, (stop, _) in STOP_CASES.items()
+    }
+    dead_end = {
+        kind: complete(app.url, {"prompt": PROMPT, **LATE_DEAD_END}, stream=kind == "stream", timeout_s=app.timeout_s)
+        for kind in ("plain", "stream")
+    }
     slow, beside = slow_bodies(app, slots + 4, body_timeout_s, probe_tokens)
     in_flight = flight.gather(app.timeout_s + 30)
-    return Hostile(slots, body_timeout_s, in_flight, nested, grammar, slow, beside)
+    return Hostile(slots, body_timeout_s, in_flight, nested, grammar, stops, dead_end, slow, beside)
+
+
+# ---- slow bodies past the ingress's Serve limit (issue 54)
+FLOOD_FACTOR = 3  # sockets per place of the ingress's max_ongoing_requests
+HEALTHZ_GOAL_S = 2.0  # /healthz p99 beside the flood (the issue's goal)
+TTFT_GOAL_RATIO = 2.0  # a request's time to first token beside the flood, over its idle value
+N_HEALTHZ, N_TTFT = 20, 3
+
+
+def first_token_s(url: str, body: dict, timeout_s: float) -> tuple[float | None, Outcome]:
+    """A streamed request's time to its first text, and how it ended (None: no text came)."""
+    t0, first = time.monotonic(), None
+    try:
+        with requests.post(f"{url}/v1/completions", json={**body, "stream": True}, stream=True, timeout=timeout_s) as r:
+            if r.status_code != 200:
+                return None, Outcome("error", t0, time.monotonic(), r.text[:300], status=r.status_code)
+            events, done = [], False
+            for line in r.iter_lines(decode_unicode=True):
+                data = (line or "").removeprefix("data: ")
+                if not data:
+                    continue
+                if data == "[DONE]":
+                    done = True
+                    break
+                events.append(json.loads(data))
+                if first is None and (events[-1].get("choices") or [{}])[0].get("text"):
+                    first = time.monotonic() - t0
+    except requests.Timeout as e:
+        return first, Outcome("hung", t0, time.monotonic(), repr(e))
+    except requests.ConnectionError as e:
+        return first, Outcome("dropped", t0, time.monotonic(), repr(e))
+    errors = [e for e in events if "error" in e]
+    kind = "error" if errors else "ok" if done else "dropped"
+    return first, Outcome(kind, t0, time.monotonic(), body=(errors or events or [None])[-1], status=200)
+
+
+def healthz_s(url: str, timeout_s: float) -> float | None:
+    """/healthz's answer time when it said 200 within timeout_s, else None."""
+    t0 = time.monotonic()
+    try:
+        ok = requests.get(f"{url}/healthz", timeout=timeout_s).status_code == 200
+    except requests.RequestException:
+        ok = False
+    return time.monotonic() - t0 if ok else None
+
+
+def p99(values: list[float | None]) -> float | None:
+    """The 99th percentile (nearest rank); None if any value is missing (no answer)."""
+    if not values or None in values:
+        return None
+    ordered = sorted(values)
+    return round(ordered[min(len(ordered) - 1, -(-99 * len(ordered) // 100) - 1)], 3)
+
+
+@dataclass
+class SlowFlood:
+    ongoing_limit: int  # the ingress's Serve max_ongoing_requests
+    healthz_idle: list[float | None]
+    ttft_idle: list[float | None]  # before the flood and after it (the machine's drift shows in both)
+    slow: list[SlowBody]  # FLOOD_FACTOR x ongoing_limit sockets
+    healthz_beside: list[float | None]
+    ttft_beside: list[float | None]
+    streams: list[Outcome]  # the idle and beside streams, in order
+    beside: list[Outcome]  # plain requests beside the flood
+
+    def summary(self) -> dict:
+        idle = statistics.median([t for t in self.ttft_idle if t is not None] or [0.0])
+        worst = max((t for t in self.ttft_beside if t is not None), default=None)
+        healthz = p99(self.healthz_beside)
+        lost = [o for o in [*self.streams, *self.beside] if not o.finished_normally]
+        ratio = None if worst is None or idle <= 0 else round(worst / idle, 2)
+        return {
+            "ongoing_limit": self.ongoing_limit,
+            "slow_sockets": len(self.slow),
+            "slow_statuses": sorted({f"{b.status} {b.code}" for b in self.slow}),
+            "slow_answered_s_min_max": [round(f((b.seconds for b in self.slow), default=0), 1) for f in (min, max)],
+            "healthz_p99_idle_s": p99(self.healthz_idle),
+            "healthz_p99_beside_s": healthz,
+            "ttft_idle_median_s": round(idle, 3),
+            "ttft_beside_s": [None if t is None else round(t, 3) for t in self.ttft_beside],
+            "ttft_ratio": ratio,
+            "requests_lost": len(lost),
+            "lost": failures(lost),
+            "goals": {
+                f"healthz_p99_le_{HEALTHZ_GOAL_S:g}s": healthz is not None and healthz <= HEALTHZ_GOAL_S,
+                f"ttft_le_{TTFT_GOAL_RATIO:g}x_idle": ratio is not None and ratio <= TTFT_GOAL_RATIO,
+                "nothing_lost": not lost,
+            },
+        }
+
+    @property
+    def held(self) -> bool:
+        """/healthz answered beside the flood, nothing lost, every socket cut with a 408."""
+        s = self.summary()
+        return (
+            s["goals"][f"healthz_p99_le_{HEALTHZ_GOAL_S:g}s"]
+            and s["goals"]["nothing_lost"]
+            and all(b.status == 408 for b in self.slow)
+        )
+
+
+def slow_flood(app: App, body_timeout_s: float, probe_tokens: int) -> SlowFlood:
+    """Idle /healthz and time to first token; then FLOOD_FACTOR x the ingress's ongoing limit in
+    sockets that send headers and part of a body, and the same measured beside them, plus plain
+    requests; then every socket's answer (a 408: cut to make room, or at the body deadline); then
+    the idle time to first token again (its median over both sides is the flood's baseline)."""
+    limit = int(stats(app.url)["ongoing_limit"])
+    body = {"prompt": PROMPT, "max_tokens": probe_tokens}
+    healthz_idle = [healthz_s(app.url, app.timeout_s) for _ in range(N_HEALTHZ)]
+    idle = [first_token_s(app.url, body, app.timeout_s) for _ in range(N_TTFT)]
+    t0 = time.monotonic()
+    sockets = [_slow_body(app.url, body_timeout_s + 60) for _ in range(FLOOD_FACTOR * limit)]
+    time.sleep(0.5)  # each has sent its headers and part of its body
+    healthz_beside = [healthz_s(app.url, app.timeout_s) for _ in range(N_HEALTHZ)]
+    beside = [first_token_s(app.url, body, app.timeout_s) for _ in range(N_TTFT)]
+    plain = [complete(app.url, body, timeout_s=app.timeout_s) for _ in range(2)]
+    with ThreadPoolExecutor(len(sockets)) as pool:  # each read as it comes: its time is its answer's
+        answers = list(pool.map(lambda s: _answer(s, t0), sockets))
+    idle += [first_token_s(app.url, body, app.timeout_s) for _ in range(N_TTFT)]  # idle again, after
+    return SlowFlood(
+        limit,
+        healthz_idle,
+        [t for t, _ in idle],
+        answers,
+        healthz_beside,
+        [t for t, _ in beside],
+        [o for _, o in idle + beside],
+        plain,
+    )

@@ -10,9 +10,14 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def start_serve(app_args: dict, name: str = "fly"):
     """Starts Ray (4 logical CPUs on this 2-core box; replicas ask for fractions) and runs the
-    app; returns the base URL. Workers import `deployments` and `fly_serve` through PYTHONPATH."""
+    app; returns the base URL. Workers import `deployments` and `fly_serve` through PYTHONPATH;
+    the HTTP proxy runs its guard with the app's body bounds, as `fly-serve serve` starts it."""
     os.environ["RAY_AUTH_MODE"] = "disabled"
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    from deployments.launch import proxy_bounds
+    from deployments.profiles.app_args import AppArgs
+
+    os.environ.update(proxy_bounds([AppArgs.model_validate(app_args)]))
     import ray
     from ray import serve
 

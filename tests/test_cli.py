@@ -1,6 +1,8 @@
 """`fly-serve generate` as a user runs it: the installed command in a process of its own, on the
-tiny pair. Its streamed text is the in-process engine's, its stats line names the mode and why it
-stopped, and a bad knob is an error naming the field, not a traceback."""
+tiny pair. Its streamed text is the in-process engine's under the served profile's defaults, its
+stats line names the knobs it decoded with and why it stopped (by default the served profile's:
+strict FLy, k auto; loose only when asked), and a bad knob is an error naming the field, not a
+traceback."""
 
 import json
 import shutil
@@ -8,6 +10,7 @@ import subprocess
 
 import pytest
 
+from fly_cli.main import served_defaults
 from fly_serve.build import build_engine
 
 PAIR = ["--target", "tiny:0", "--drafter", "tiny:1", "--drafter-precision", "fp32"]
@@ -24,7 +27,10 @@ def fly_serve(*args: str) -> subprocess.CompletedProcess:
 def test_generate_prints_the_engines_text_and_its_stats(mode):
     done = fly_serve("generate", PROMPT, "--raw", "--mode", mode, "--k", "4", "--max-tokens", "12", *PAIR)
     assert done.returncode == 0, done.stderr
-    engine = build_engine("tiny:0", "tiny:1" if mode == "fly" else None, drafter_precision="fp32", max_batch=1)
+    drafter = "tiny:1" if mode == "fly" else None
+    engine = build_engine(
+        "tiny:0", drafter, drafter_precision="fp32", max_batch=1, defaults=served_defaults(), calibrate=False
+    )
     [want] = engine.generate([PROMPT], [dict(mode=mode, k=4, max_tokens=12)])
     assert done.stdout == want.text + "\n"
     stats = json.loads(done.stderr.strip().splitlines()[-1])
@@ -53,3 +59,18 @@ def test_generate_refuses_a_precision_that_llama_cpp_cannot_give_and_names_the_f
     )
     assert done.returncode != 0 and "Traceback" not in done.stderr
     assert "error: dtype: runtime llama.cpp" in done.stderr and "fp32" in done.stderr
+
+
+def test_generate_decodes_as_the_served_profile_by_default_and_loosely_only_when_asked():
+    served = served_defaults()
+    done = fly_serve("generate", PROMPT, "--raw", "--max-tokens", "8", *PAIR)
+    assert done.returncode == 0, done.stderr
+    knobs = json.loads(done.stderr.strip().splitlines()[-1])["knobs"]
+    assert {name: knobs[name] for name in ("mode", "k", "k_max", "theta", "window")} == {
+        name: served[name] for name in ("mode", "k", "k_max", "theta", "window")
+    }
+    assert served["theta"] >= 1 and knobs["loose"] is False  # strict: the target's own text
+    loose = fly_serve("generate", PROMPT, "--raw", "--max-tokens", "8", "--theta", "0.3", "--k", "4", *PAIR)
+    assert loose.returncode == 0, loose.stderr
+    knobs = json.loads(loose.stderr.strip().splitlines()[-1])["knobs"]
+    assert knobs["loose"] is True and knobs["theta"] == 0.3 and knobs["window"] == 3  # the profile's 6 fits no k 4

@@ -74,6 +74,44 @@ def test_held_back_is_the_longest_stop_prefix_at_the_end():
     assert held_back("hello E", ["END", "E!"]) == 1
     assert held_back("hello", ["END"]) == 0
     assert held_back("x\n", ["\n\n", "\nEND"]) == 1
+    assert held_back("abab", ["ababc"]) == 4 and held_back("aab", ["aabaab"]) == 3
+    assert held_back("xEND", ["END"]) == 0  # a whole stop is find_stop's, not held back
+
+
+def test_held_back_is_the_definition_on_random_texts():
+    """The matcher against the definition (every prefix tried) on small alphabets, where stop
+    strings overlap themselves most."""
+    rng = random.Random(7)
+
+    def by_definition(text: str, stops: list[str]) -> int:
+        return max((n for s in stops for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
+
+    for _ in range(5000):
+        abc = rng.choice(["ab", "abc"])
+        text = "".join(rng.choice(abc) for _ in range(rng.randrange(12)))
+        stops = ["".join(rng.choice(abc) for _ in range(rng.randint(1, 8))) for _ in range(rng.randrange(4))]
+        assert held_back(text, stops) == by_definition(text, stops), (text, stops)
+
+
+def test_held_back_looks_at_each_character_a_bounded_number_of_times():
+    """Linear in a stop string's length (it runs on the engine thread each round): a stop string
+    of 10x the length reads about 10x its characters, not 100x (what trying every prefix reads)."""
+
+    class Counting(str):
+        compared = 0  # characters of the stop string read, one by one or in slices
+
+        def __getitem__(self, i):
+            out = str.__getitem__(self, i)
+            Counting.compared += len(out)
+            return out
+
+    def comparisons(n: int) -> int:
+        Counting.compared = 0
+        stop = Counting("a" * (n // 2) + "b" + "a" * (n - n // 2 - 1))
+        held_back("a" * (2 * n), [stop])
+        return Counting.compared
+
+    assert comparisons(500) < 15 * comparisons(50)
 
 
 def test_text_costs_linear_decoding_per_request():

@@ -148,8 +148,11 @@ def test_seeded_sampling_is_reproducible_and_batch_independent():
         ("theta", -0.1),
         ("mode", "nope"),
         ("entropy", "x"),
-        ("top_p", 0.0),
+        ("top_p", -0.1),
+        ("top_p", 1.5),
         ("temperature", -1),
+        ("temperature", 2.5),  # OpenAI's range: [0, 2]
+        ("stop", ["a", "b", "c", "d", "e"]),  # OpenAI's bound: 4
         ("seed", 10**20),
         ("seed", 1.5),
         ("mla_sources", "pld,nope"),

@@ -6,6 +6,7 @@ import functools
 import json
 import os
 import re
+import threading
 from dataclasses import replace
 
 import jsonschema
@@ -174,6 +175,67 @@ def test_a_grammar_the_library_gives_up_on_midway_fails_its_request_alone():
     bad, good = eng.generate([PROMPTS[0], PROMPTS[1]], [dead_end, dict(mode="fly", k=4, max_tokens=20)])
     assert bad.finish_reason == "error" and "no text matches it" in bad.error, (bad.finish_reason, bad.error)
     assert good.finish_reason == "length" and len(good.generated) == 20
+    # the request's own input ended it: its matcher says so, and which field asked for the grammar
+    assert bad.matcher.failed and bad.matcher.field == "grammar"
+    assert bad.generated == [ord("a")] * 12  # the literal, then nothing the grammar never reached
+
+
+@pytest.mark.parametrize("mode", ["spd", "fly"])
+def test_a_dead_end_met_by_drafts_alone_fails_nothing(mode):
+    """Drafts are tried on a copy of the matcher: a draft that leads into a branch no text
+    completes is refused (and kept out of its position's mask), and the request goes on along
+    the branch that does complete; the library's error state never reaches the committed one."""
+    grammars = Grammars(tiny_tokenizer(), 259, {EOS})
+    m = grammars.matcher(Params(grammar='start: "ab" x | "ac"\nx: x "b"'))
+    a, b, c = (ord(ch) for ch in "abc")
+    legal, masks = m.plan([a, b, b])
+    allowed = unpack(masks, 259)
+    assert legal == 1 and masks.shape == (2, 9)  # a, then b refused at position 1
+    assert allowed[1].nonzero().flatten().tolist() == [c]  # b leads nowhere: only c is left
+    assert m.failed is None and m.plan([a])[0] == 1  # the matcher itself is where it was
+    eng = engine()
+    eng.eos_ids = {EOS}
+    [req] = eng.generate([PROMPTS[0]], [dict(mode=mode, k=4, max_tokens=6, grammar='start: "ab" x | "ac"\nx: x "b"')])
+    assert req.finish_reason == "stop" and req.text == "ac", (req.finish_reason, req.error, req.text)
+
+
+def test_the_grammar_checked_off_the_engine_thread_is_the_one_admitted():
+    """The ingress's worker compiles and probes a request's grammar (EngineLoop.check_grammar);
+    the engine thread admits the request with that matcher (Grammars.handing) and compiles
+    nothing: a large schema costs its second once, off the thread that serves every request."""
+    from deployments.ingress.engine_loop import EngineLoop
+
+    eng = engine()
+    compiled_on = []
+    compile_once = eng.grammars._compile
+
+    def counting(params, probe_tokens):
+        compiled_on.append(threading.current_thread().name)
+        return compile_once(params, probe_tokens)
+
+    eng.grammars._compile = counting
+    loop = EngineLoop(eng)
+    try:
+        params = dict(mode="ar", max_tokens=4, response_format=rf(SCHEMAS[0]))
+        matcher = loop.check_grammar(params)  # here: the test's thread stands for the worker
+        done = threading.Event()
+        req = loop.submit(PROMPTS[0], params, "r1", lambda u: u.finish_reason and done.set(), matcher=matcher).result(
+            30
+        )
+        assert done.wait(60)
+        assert req.matcher is matcher and compiled_on == [threading.current_thread().name], compiled_on
+        other = loop.submit(PROMPTS[1], params, "r2", lambda u: None).result(30)  # none handed: compiled there
+        assert other.matcher is not matcher and compiled_on[-1] == "fly-engine-loop"
+    finally:
+        loop.stop("test over")
+        loop.thread.join(10)
+
+
+@pytest.mark.parametrize("field", ["regex", "grammar"])
+def test_a_lone_surrogate_in_a_grammar_is_refused_naming_its_field(field):
+    with pytest.raises(ParamError) as e:
+        engine().add(PROMPTS[0], {"max_tokens": 4, field: "a\ud800" if field == "regex" else 'start: "\ud800"'})
+    assert e.value.field == field and "Unicode" in e.value.message
 
 
 def test_a_deep_schema_is_moved_into_defs_and_means_the_same():

@@ -121,15 +121,41 @@ def test_two_rows_share_a_prefix_and_each_rolls_back_alone(gguf):
     assert torch.allclose(logits[0, 0], torch_logits(prompt + [2, 3])[-1], atol=TOL)
 
 
-def test_idle_rows_are_evicted_for_new_ones_and_busy_rows_never_are(gguf):
+def test_rows_past_n_slots_are_held_while_cells_last_and_an_eviction_is_counted(gguf):
+    """Sequence ids are llama.cpp's maximum, not max_batch: rows from more callers than n_slots
+    (a drafter replica drafting for several ingress units) keep their cells. When the cells run
+    out, an idle row gives its own (counted: it prefills again), a busy one never."""
     r = runner(gguf, n_slots=2)
-    r.feed(["a"], [SEQ])
-    r.feed(["b"], [SEQ[:4]])
-    r.feed(["c"], [SEQ[:6]], protect=["b"])  # no free id: a, idle and not protected, goes
-    assert held(r, "a") == 0 and held(r, "b") == 4
+    rows = [f"row{i}" for i in range(40)]
+    for key in rows:
+        r.feed([key], [SEQ])
+    assert all(held(r, key) == len(SEQ) for key in rows) and r.cache.evicted == 0
+    small = runner(gguf, n_slots=2, budget_tokens=256)
+    small.feed(["a"], [list(range(100))])
+    small.feed(["b"], [list(range(100, 200))])
+    small.feed(["c"], [list(range(60))], protect=["b"])  # no room: a, idle and not protected, goes
+    assert held(small, "a") == 0 and held(small, "b") == 100 and held(small, "c") == 60
+    assert small.cache.evicted == 1
     with pytest.raises(KVCacheFull):
-        r.feed(["d"], [SEQ], protect=["b", "c"])
-    assert held(r, "b") == 4 and held(r, "c") == 6
+        small.feed(["d"], [list(range(200))], protect=["b", "c"])
+    assert held(small, "b") == 100 and held(small, "c") == 60
+
+
+def test_the_health_probe_computes_and_touches_no_row(gguf):
+    """One token through the model in the id kept for the probe: its logits are the model's,
+    and every row keeps its cells, id and place (nothing evicted, even with every cell taken)."""
+    r = runner(gguf, n_slots=1, budget_tokens=256)
+    r.feed(["a"], [list(range(100))])
+    before = {k: (s.id, list(s.tokens)) for k, s in r.cache.rows.items()}
+    logits = r.probe()
+    assert torch.allclose(logits[0], torch_logits([0])[-1], atol=TOL)
+    assert {k: (s.id, list(s.tokens)) for k, s in r.cache.rows.items()} == before and r.cache.evicted == 0
+    r.feed(["b"], [list(range(100, 255))], protect=["a"])  # every cell but one taken
+    for _ in range(3):
+        r.probe()
+    assert held(r, "a") == 100 and held(r, "b") == 155 and r.cache.evicted == 0
+    logits, _ = r.feed(["a"], [list(range(101))], tail=[1])  # a continues from its own cells
+    assert torch.allclose(logits[0, 0], torch_logits(list(range(101)))[-1], atol=TOL)
 
 
 def test_a_full_cache_raises_and_leaves_each_row_its_valid_prefix(gguf):

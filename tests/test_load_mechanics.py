@@ -66,11 +66,11 @@ def test_kill_ours_reaches_a_child_and_refuses_anything_else():
 def test_fault_run_kills_on_the_replica_profile_and_runs_the_rest_on_the_default():
     """The drafter and the TP rank are killed on a profile that has them (cpu-tp2: a FlyDrafter
     replica and a TP group); overload, hostile input, fuzz and soak run on the app as `fly-serve serve`
-    starts it."""
+    starts it (the slow bodies' flood too)."""
     profiles = lambda argv: [(path.name, names) for path, names in plan(parse(argv))]
     assert profiles([]) == [
         ("cpu-tp2.yaml", ["drafter_kill", "tp_rank_kill"]),
-        ("cpu-default.yaml", ["overload", "hostile", "schemathesis"]),
+        ("cpu-default.yaml", ["overload", "hostile", "slow_flood", "schemathesis"]),
     ]
     assert profiles(["--soak", "10", "--only", "drafter_kill", "soak"]) == [
         ("cpu-tp2.yaml", ["drafter_kill"]),
@@ -78,7 +78,7 @@ def test_fault_run_kills_on_the_replica_profile_and_runs_the_rest_on_the_default
     ]
     # one profile for both: one server runs every scenario
     assert profiles(["--profile", "cpu-tp2"]) == [
-        ("cpu-tp2.yaml", ["drafter_kill", "tp_rank_kill", "overload", "hostile", "schemathesis"])
+        ("cpu-tp2.yaml", ["drafter_kill", "tp_rank_kill", "overload", "hostile", "slow_flood", "schemathesis"])
     ]
 
 
@@ -97,6 +97,19 @@ def test_fault_run_table_has_a_row_per_fault_and_says_what_failed():
             "profile": "deployments/profiles/cpu-default.yaml",
             "failed": "ScenarioError('expected TP ranks (tp_size > 1), found pids []')",
         },
+        "slow_flood": {
+            "profile": "deployments/profiles/cpu-default.yaml",
+            "ongoing_limit": 56,
+            "slow_sockets": 168,
+            "slow_statuses": ["408 request_timeout"],
+            "slow_answered_s_min_max": [0.4, 20.1],
+            "healthz_p99_idle_s": 0.01,
+            "healthz_p99_beside_s": 0.02,
+            "ttft_idle_median_s": 0.1,
+            "ttft_beside_s": [0.1, 0.12, 0.11],
+            "ttft_ratio": 1.2,
+            "goals": {"healthz_p99_le_2s": True, "ttft_le_2x_idle": True, "nothing_lost": True},
+        },
         "schemathesis": {
             "profile": "deployments/profiles/cpu-default.yaml",
             "seed": 7,
@@ -112,6 +125,8 @@ def test_fault_run_table_has_a_row_per_fault_and_says_what_failed():
     assert rows[0].endswith("| profile |") and len(rows[1].split("|")) == len(rows[0].split("|"))
     assert any("drafting again after 14.8 s" in r and r.endswith("| deployments/profiles/cpu-tp2.yaml |") for r in rows)
     assert any(r.startswith("| schemathesis | 1000 | 400 | 600 |") and "seed 7" in r and "5xx: 0" in r for r in rows)
+    flood = [r for r in rows if r.startswith("| slow bodies, 168 sockets (3x Serve limit 56) |")]
+    assert len(flood) == 1 and "/healthz p99 0.02 s" in flood[0] and "(1.2x)" in flood[0]
     failed = [r for r in rows if r.startswith("| tp_rank_kill |")]
     assert len(failed) == 1 and "FAILED: ScenarioError('expected TP ranks" in failed[0]
     assert failed[0].endswith("| deployments/profiles/cpu-default.yaml |")

@@ -12,7 +12,7 @@ import torch
 from serve_fixture import start_serve, stop_serve
 
 from fly_serve.build import build_engine
-from fly_serve.engine.params import MAX_K, SAMPLING_EPS, ParamError
+from fly_serve.engine.params import MAX_K, MAX_TEMPERATURE, SAMPLING_EPS, ParamError
 from fly_serve.loading.tiny import tiny_model, tiny_tokenizer
 
 SUBNORMAL = 2.225073858507e-311  # what schemathesis sent as a temperature (a 500 before)
@@ -39,12 +39,13 @@ def row(**ok: str) -> dict[str, str]:
     return {edge: ok.get(edge, NO) for edge in EDGES}
 
 
-# The engine's knobs. Meanings: a temperature below SAMPLING_EPS is greedy; top_p keeps at least
-# the most likely token however small; theta / rho 0 defer every mismatch they can; a window of 0
+# The engine's knobs, in OpenAI's ranges where OpenAI has one (temperature [0, 2], top_p [0, 1]).
+# Meanings: a temperature below SAMPLING_EPS is greedy; top_p keeps at least the most likely token
+# however small (0: that token alone); theta / rho 0 defer every mismatch they can; a window of 0
 # keeps a mismatch with no check after it; seeds are any int64.
 ENGINE_TABLE = {
     "temperature": row(zero=OK, one=OK, subnormal=OK, tiny=OK, fraction=OK, one_and_a_half=OK),
-    "top_p": row(one=OK, subnormal=OK, tiny=OK, fraction=OK),
+    "top_p": row(zero=OK, one=OK, subnormal=OK, tiny=OK, fraction=OK),
     "theta": row(zero=OK, one=OK, subnormal=OK, tiny=OK, fraction=OK),
     "rho": row(zero=OK, one=OK, subnormal=OK, tiny=OK, fraction=OK),
     "window": row(zero=OK, one=OK),
@@ -102,7 +103,7 @@ def test_a_temperature_below_eps_is_greedy(engine, temperature):
 
 def test_smallest_sampling_values_stay_finite(engine):
     """At the edge of what is accepted, sampling draws real tokens (no NaN reaches multinomial)."""
-    for params in ({"temperature": SAMPLING_EPS, "top_p": SUBNORMAL}, {"temperature": 100.0, "top_p": 1.0}):
+    for params in ({"temperature": SAMPLING_EPS, "top_p": SUBNORMAL}, {"temperature": MAX_TEMPERATURE, "top_p": 1.0}):
         req = engine.generate([PROMPT], {"mode": "spd", "k": 4, "max_tokens": 8, "seed": 1, **params})[0]
         assert len(req.generated) == 8
     assert MAX_K >= 15  # the paper's k and the profiles' k_max fit
@@ -175,7 +176,7 @@ def test_sampling_probs_of_accepted_values_are_finite():
     from fly_serve.decision.sampling import probs
 
     logits = torch.randn(3, 50) * 30
-    for t, top_p in ((SAMPLING_EPS, 1.0), (SAMPLING_EPS, SUBNORMAL), (100.0, 1e-9)):
+    for t, top_p in ((SAMPLING_EPS, 1.0), (SAMPLING_EPS, SUBNORMAL), (MAX_TEMPERATURE, 1e-9), (1.0, 0.0)):
         p = probs(logits, t, top_p)
         assert torch.isfinite(p).all() and torch.allclose(p.sum(-1), torch.ones(3))
 

@@ -23,7 +23,9 @@ import pytest
 import requests
 from serve_fixture import start_serve, stop_serve
 
-from loadtest.scenarios import App, hostile_input
+from deployments.http.admission import serve_limits
+from fly_serve.engine.params import MAX_STOP_CHARS
+from loadtest.scenarios import App, hostile_input, slow_flood
 from loadtest.waits import until
 
 pytestmark = pytest.mark.serve
@@ -156,6 +158,56 @@ def test_slow_bodies_hold_no_slot_and_are_cut_at_the_deadline(url):
     assert wait_idle(url)["in_flight"] == 0
 
 
+def test_slow_bodies_past_the_ingress_limit_hold_up_neither_healthz_nor_a_request(url):
+    """Three times as many sockets as the ingress's Serve limit (max_ongoing_requests) send their
+    headers and part of a body. Their bodies are read in the HTTP proxy (proxy_guard.py), so no
+    Serve place of the replica is held: /healthz and a request beside them are answered before
+    any body deadline has passed (a replica that read bodies itself queued both behind them until
+    deadlines freed places), and every socket gets its 408, those cut to make room for newer
+    reads at once and the rest at the deadline."""
+    limit = serve_limits(MAX_BATCH, MAX_WAITING)["max_ongoing_requests"]
+    with in_flight_beside(url):
+        t0 = time.monotonic()
+        sockets = [slow_body(url) for _ in range(3 * limit)]
+        time.sleep(0.5)
+        health = requests.get(f"{url}/healthz", timeout=TIMEOUT)
+        health_s = time.monotonic() - t0
+        r = post(url, prompt=PROMPT, max_tokens=4)
+        request_s = time.monotonic() - t0
+        answers = []
+        for s in sockets:
+            response = http.client.HTTPResponse(s)
+            response.begin()
+            answers.append((response.status, json.loads(response.read())["error"]["code"]))
+            s.close()
+    assert health.status_code == 200 and r.status_code == 200, (health.text, r.text)
+    assert health_s < BODY_TIMEOUT_S and request_s < BODY_TIMEOUT_S, (health_s, request_s)
+    assert set(answers) == {(408, "request_timeout")}, answers
+    assert wait_idle(url)["in_flight"] == 0
+
+
+@pytest.mark.parametrize("header", ["X-Request-Id", "X-Session-Id", "serve_multiplexed_model_id"])
+def test_a_header_serve_reads_that_is_not_utf8_is_a_400_naming_it(url, header):
+    """Serve's proxy decodes these headers as UTF-8; bytes that are not were its plain-text 500,
+    unlogged. The proxy's guard answers a 400 in OpenAI's error body, naming the header."""
+    u = urlparse(url)
+    with socket.create_connection((u.hostname, u.port), timeout=TIMEOUT) as s:
+        body = json.dumps({"prompt": PROMPT, "max_tokens": 2}).encode()
+        s.sendall(
+            f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n".encode()
+            + header.encode()
+            + b": \xff\xfeid\r\n\r\n"
+            + body
+        )
+        response = http.client.HTTPResponse(s)
+        response.begin()
+        err = json.loads(response.read())["error"]
+    assert response.status == 400, err
+    assert err["param"].lower() == header.lower() and "UTF-8" in err["message"], err
+    assert post(url, prompt=PROMPT, max_tokens=2).status_code == 200
+
+
 def test_a_slow_body_that_completes_in_time_is_served(url):
     u = urlparse(url)
     body = json.dumps({"prompt": PROMPT, "max_tokens": 4}).encode()
@@ -215,6 +267,35 @@ def test_a_grammar_the_library_cannot_follow_is_a_400(url, route, body, param):
 def test_a_grammar_no_text_completes_is_a_400(url, body, param):
     message = refused(post(url, prompt=PROMPT, max_tokens=8, **body), param)
     assert "no text matches it" in message
+
+
+# A 51-character literal, then a rule no text completes: past the tokens admission walks, so the
+# dead end is met while generating (issue 54: a 500 "generation failed")
+LATE_DEAD_END = 'start: "' + "a" * 51 + '" x\nx: x "b"'
+
+
+def test_a_grammar_dead_end_met_while_generating_is_the_clients_error(url):
+    """Not a server failure: a 400 naming the field before any byte is sent, and for a stream
+    already under way a last event of the client's error type (then [DONE]); the stream beside
+    it ends whole."""
+    body = {"prompt": PROMPT, "max_tokens": 80, "fly": {"mode": "ar", "grammar": LATE_DEAD_END}}
+    with in_flight_beside(url):
+        message = refused(post(url, **body), "fly.grammar")
+        with requests.post(f"{url}/v1/completions", json=body | {"stream": True}, stream=True, timeout=TIMEOUT) as r:
+            assert r.status_code == 200
+            events = [line for line in r.iter_lines(decode_unicode=True) if line]
+    assert "no way on" in message and "no text matches it" in message, message
+    assert events[-1] == "data: [DONE]", events[-3:]
+    err = json.loads(events[-2][len("data: ") :])["error"]
+    assert err["type"] == "invalid_request_error" and err["param"] == "fly.grammar", err
+    text = "".join(json.loads(e[len("data: ") :])["choices"][0]["text"] for e in events[:-2])
+    assert text == "a" * 51  # the literal, streamed before the dead end
+
+
+@pytest.mark.parametrize("field, value", [("regex", "a\ud800b"), ("grammar", 'start: "\ud800"')])
+def test_a_lone_surrogate_in_a_grammar_is_a_400_naming_it(url, field, value):
+    message = refused(post(url, prompt=PROMPT, max_tokens=4, fly={field: value}), f"fly.{field}")
+    assert "Unicode" in message
 
 
 # ---- 5. a json_schema format without its schema
@@ -310,8 +391,75 @@ def test_a_message_role_is_one_of_openais(url, role, says):
 
 
 def test_developer_and_tool_roles_are_served(url):
-    messages = [{"role": "developer", "content": "Be brief."}, *MESSAGES, {"role": "tool", "content": "12:00"}]
+    tool = {"role": "tool", "content": "12:00", "tool_call_id": "call_1"}
+    messages = [{"role": "developer", "content": "Be brief."}, *MESSAGES, tool]
     assert post(url, "chat/completions", messages=messages, max_tokens=2).status_code == 200
+
+
+def prompt_tokens(url: str, messages: list[dict], **extra) -> int:
+    r = post(url, "chat/completions", messages=messages, max_tokens=1, **extra)
+    assert r.status_code == 200, r.text
+    return r.json()["usage"]["prompt_tokens"]
+
+
+def test_a_developer_message_is_the_system_message_of_a_model_without_that_role(url):
+    """OpenAI: developer messages replace system messages; for a model whose template has no
+    developer role it is its system message, not a turn it never saw (or none at all)."""
+    system = prompt_tokens(url, [{"role": "system", "content": "Be brief."}, *MESSAGES])
+    assert prompt_tokens(url, [{"role": "developer", "content": "Be brief."}, *MESSAGES]) == system
+    assert prompt_tokens(url, MESSAGES) < system
+
+
+def test_content_as_text_parts_is_the_text_they_join(url):
+    parts = [{"type": "text", "text": "Say"}, {"type": "text", "text": "something."}]
+    joined = prompt_tokens(url, [{"role": "user", "content": "Say\nsomething."}])
+    assert prompt_tokens(url, [{"role": "user", "content": parts}]) == joined
+    image = [{"type": "image_url", "image_url": {"url": "http://127.0.0.1/x.png"}}]
+    message = refused(
+        post(url, "chat/completions", messages=[{"role": "user", "content": image}]), "messages.0.content.0.type"
+    )
+    assert "only text" in message
+
+
+def test_an_assistant_turns_tool_calls_are_never_dropped(url):
+    """This template cannot show tool calls: the turn that made them is refused, naming them (the
+    default model's template renders them: test_openai_shapes.py), never sent without them."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}
+    for content in (None, "Let me look."):
+        turns = [*MESSAGES, {"role": "assistant", "content": content, "tool_calls": [call]}]
+        turns.append({"role": "tool", "content": "12:00", "tool_call_id": "call_1"})
+        assert "tool calls" in refused(post(url, "chat/completions", messages=turns), "messages.1.tool_calls")
+    assert "required" in refused(
+        post(url, "chat/completions", messages=[{"role": "user", "content": None}]), "messages.0.content"
+    )
+
+
+def test_openais_nulls_are_its_defaults(url):
+    """n, stream and the optional fields as null: what OpenAI (and its SDKs) send for "unset"."""
+    for route, body in (("completions", {"prompt": PROMPT}), ("chat/completions", {"messages": MESSAGES})):
+        r = post(url, route, **body, max_tokens=2, n=None, stream=None, stream_options=None, stop=None, seed=None)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
+
+
+def test_stream_options_without_stream_is_a_400_as_openai_answers(url):
+    for stream in (False, None):
+        r = post(url, prompt=PROMPT, max_tokens=2, stream=stream, stream_options={"include_usage": True})
+        assert "only allowed when 'stream' is enabled" in refused(r, "stream_options")
+
+
+@pytest.mark.parametrize("field, value", [("temperature", 2.5), ("temperature", 50), ("top_p", 1.5)])
+def test_sampling_knobs_are_in_openais_ranges(url, field, value):
+    assert "must be in [0, " in refused(post(url, prompt=PROMPT, max_tokens=2, **{field: value}), field)
+
+
+def test_stop_is_bounded_as_openai_bounds_it(url):
+    """At most 4 stop strings (OpenAI's), each of MAX_STOP_CHARS at most: what a stream holds back
+    and what the engine thread matches every round has a bound."""
+    assert "at most 4" in refused(post(url, prompt=PROMPT, max_tokens=2, stop=["a", "b", "c", "d", "e"]), "stop")
+    long = "x" * (MAX_STOP_CHARS + 1)
+    assert f"at most {MAX_STOP_CHARS}" in refused(post(url, prompt=PROMPT, max_tokens=2, stop=[long]), "stop")
+    r = post(url, prompt=PROMPT, max_tokens=2, stop=["y" * MAX_STOP_CHARS] * 4)
+    assert r.status_code == 200, r.text
 
 
 def test_a_prompt_past_the_context_is_blamed_on_the_prompt(url):
@@ -357,14 +505,14 @@ def test_a_batch_of_one_token_list_is_a_prompt_and_other_forms_are_named(url):
 
 
 def ingress_log(request_ids: list[str]) -> list[str]:
-    """The ingress replica's log lines that name one of these request ids."""
+    """The log lines of the ingress replica and of the HTTP proxy (whose guard reads the bodies:
+    deployments/http/proxy_guard.py) that name one of these request ids."""
     import ray
 
     # the session of this module's Ray (not /tmp/ray/session_latest: another Ray may be newer)
     logs = Path(ray._private.worker.global_worker.node.get_session_dir_path()) / "logs" / "serve"
-    lines = [
-        line for f in logs.glob("replica_fly_FlyIngress_*.log") for line in f.read_text("utf-8", "replace").splitlines()
-    ]
+    files = [*logs.glob("replica_fly_FlyIngress_*.log"), *logs.glob("proxy_*.log")]
+    lines = [line for f in files for line in f.read_text("utf-8", "replace").splitlines()]
     return [line for line in lines if any(rid in line for rid in request_ids)]
 
 
@@ -422,3 +570,12 @@ def test_the_hostile_scenario_of_the_fault_run_holds(url):
     run = hostile_input(App(url, os.getpid()), MAX_BATCH + MAX_WAITING, BODY_TIMEOUT_S, WITNESS_TOKENS, 4)
     assert run.held, run.summary()
     assert len(run.slow) == MAX_BATCH + MAX_WAITING + 4 and len(run.in_flight) == 2
+    assert run.summary()["status_500"] == 0 and len(run.stops) == 4 and len(run.dead_end) == 2
+
+
+def test_the_slow_flood_of_the_fault_run_holds(url):
+    """The fault run's flood: 3x the ingress's Serve limit in slow-body sockets; /healthz answered
+    beside them, nothing lost, each socket cut with a 408 (its figures are the run's to report)."""
+    run = slow_flood(App(url, os.getpid()), BODY_TIMEOUT_S, 4)
+    assert run.held, run.summary()
+    assert len(run.slow) == 3 * serve_limits(MAX_BATCH, MAX_WAITING)["max_ongoing_requests"]

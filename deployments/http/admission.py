@@ -13,7 +13,9 @@ def serve_limits(max_batch: int, max_waiting: int) -> dict:
     plain-text 503; ours answers the OpenAI error body with Retry-After. So Serve never sheds
     (no queue limit: a queued request is a connection the client holds, and it reaches the
     handler, and its 503, within milliseconds), and a replica takes every request ours may admit
-    plus room for those it answers at once."""
+    plus room for those it answers at once. That holds because a request reaches the replica with
+    its body read (proxy_guard.py): a client that sends its body slowly waits in the proxy, not in
+    one of these places."""
     return {"max_ongoing_requests": max_batch + max_waiting + ANSWERED_AT_ONCE, "max_queued_requests": -1}
 
 

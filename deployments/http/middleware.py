@@ -6,7 +6,9 @@ before any handler:
   and the serving unit that answers in X-Fly-Unit;
 - refuses a /v1 request without the API key (401);
 - turns whatever a handler raises before its response starts into an OpenAI error body with the
-  id to quote (errors.ErrorAnswers, which also counts the failure metric).
+  id to quote (errors.ErrorAnswers, which also counts the failure metric);
+- warns once when a request came through a Serve proxy without its guard (proxy_guard.py): its
+  body is then read here, where a slow one holds one of the replica's Serve places.
 
 It reads the replica's settings from `app.state.fly` (a Guard the ingress sets in its
 constructor: Serve builds one FastAPI app per replica process).
@@ -19,7 +21,8 @@ from dataclasses import dataclass
 from starlette.datastructures import Headers
 from starlette.responses import JSONResponse, Response
 
-from .errors import CLIENT_CLOSED, ApiError, ErrorAnswers
+from .errors import CLIENT_CLOSED, ApiError, ErrorAnswers, log
+from .proxy_guard import MARK, PROXY_HOOK_ENV
 from .request_ids import Ids
 
 API_KEY_ENV = "FLY_API_KEY"
@@ -58,6 +61,18 @@ def route_path(scope) -> str:
 class RequestMiddleware:
     def __init__(self, app):
         self.app = app
+        self.unguarded_seen = False
+
+    def _check_guarded(self, scope, headers: Headers) -> None:
+        if self.unguarded_seen or scope.get("method") != "POST" or MARK.decode() in headers:
+            return
+        self.unguarded_seen = True
+        log.warning(
+            "fly: requests reach this replica through a Serve HTTP proxy without fly's guard, so their "
+            "bodies are read here and a slow one holds a Serve place of this replica until its deadline; "
+            "start Ray on every node with %s set (deployments/http/proxy_guard.py)",
+            PROXY_HOOK_ENV,
+        )
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -66,6 +81,7 @@ class RequestMiddleware:
         ids = Ids.of(headers.get("x-request-id"), ID_PREFIXES.get(path, "req"))
         scope.setdefault("state", {})["ids"] = ids
         guard: Guard | None = getattr(scope["app"].state, "fly", None)
+        self._check_guarded(scope, headers)
         started = False
 
         async def send_with_id(message):

@@ -119,14 +119,21 @@ class RequestFields(Sampling, NotApplied):
     """What both request bodies carry besides the prompt."""
 
     model: str | None = None
-    n: int = 1
-    stream: bool = False
+    n: int | None = None  # null: 1, as OpenAI reads it
+    stream: bool | None = None  # null: false
     stream_options: StreamOptions | None = None
     fly: FlyOptions | None = None
 
+    def refuse(self) -> None:
+        """BodyError for a request OpenAI refuses though each field is well formed."""
+        if self.stream_options is not None and not self.stream:
+            raise BodyError(
+                "The 'stream_options' parameter is only allowed when 'stream' is enabled.", "stream_options"
+            )
+
     def params(self) -> dict:
         """Engine params: only what the client set; the engine fills in its defaults."""
-        if self.n != 1:
+        if self.n not in (None, 1):
             raise ParamError("n", "only n=1 is supported")
         own = {k: getattr(self, k) for k in Sampling.model_fields}
         fly = self.fly.model_dump(exclude_none=True) if self.fly else {}
@@ -153,20 +160,111 @@ class CompletionRequest(RequestFields):
         return self.prompt
 
 
-# The roles of OpenAI's chat messages (developer: the system role of its newer models)
+# The roles of OpenAI's chat messages (developer: the system role of its newer models; function:
+# the deprecated form of a tool's result)
 ROLES = Literal["system", "developer", "user", "assistant", "tool", "function"]
+PARTS_OF = {"assistant": ("text", "refusal")}  # the content part types a role may send here; others: text
+NOT_TEXT = "only text content parts are supported by this server"
+
+
+class ContentPart(BaseModel):
+    """A part of a message's content: "text" (its `text`), or an assistant's "refusal" (its
+    `refusal`). Other types (image_url, input_audio, file) are refused by ChatRequest.refuse."""
+
+    model_config = STRICT
+    type: str
+    text: str | None = None
+    refusal: str | None = None
+
+
+class FunctionCall(BaseModel):
+    model_config = STRICT
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+
+
+class ToolCall(BaseModel):
+    """A tool call of an earlier assistant turn (OpenAI's function tool calls)."""
+
+    model_config = STRICT
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
 
 
 class Message(BaseModel):
     model_config = STRICT
     role: ROLES
-    content: str
+    # a string or text parts; null only for an assistant turn that made tool calls (or refused)
+    content: str | list[ContentPart] | None = None
+    name: str | None = None  # a participant's name: OpenAI's, not shown to the model here
+    tool_calls: list[ToolCall] | None = None  # assistant
+    tool_call_id: str | None = None  # tool
+    refusal: str | None = None  # assistant
+    function_call: dict | None = None  # assistant, deprecated: refused (send tool_calls)
+
+    def text(self) -> str:
+        """The content as one text: its parts joined by newlines (as vLLM joins them); an
+        assistant's refusal where it has no content."""
+        if isinstance(self.content, list):
+            return "\n".join(p.text if p.type == "text" else p.refusal for p in self.content)
+        if self.content is None:
+            return self.refusal or ""
+        return self.content
+
+    def for_template(self) -> dict:
+        """The message as chat templates read it (prompts.chat_text)."""
+        out = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+            if self.content is None:
+                out["content"] = None
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.role == "function" and self.name is not None:
+            out["name"] = self.name
+        return out
+
+    def refuse(self, at: str) -> None:
+        """BodyError for what OpenAI refuses of a message, or what this server would not show
+        the model; `at`: its place, "messages.3"."""
+        if self.function_call is not None:
+            raise BodyError(
+                f"{at}.function_call: deprecated and not supported here; send the call as tool_calls",
+                f"{at}.function_call",
+            )
+        if self.content is None:
+            if self.role != "assistant" or not (self.tool_calls or self.refusal is not None):
+                raise BodyError(f"{at}.content: required (null only beside an assistant's tool_calls)", f"{at}.content")
+        elif isinstance(self.content, list):
+            if not self.content:
+                raise BodyError(f"{at}.content: an array of content parts must not be empty", f"{at}.content")
+            allowed = PARTS_OF.get(self.role, ("text",))
+            for j, part in enumerate(self.content):
+                where = f"{at}.content.{j}"
+                if part.type not in allowed:
+                    raise BodyError(
+                        f"{where}.type: {part.type!r}: {NOT_TEXT} (here: {', '.join(allowed)})", f"{where}.type"
+                    )
+                if getattr(part, part.type) is None:
+                    raise BodyError(f"{where}.{part.type}: required for a part of type {part.type!r}", where)
+        if self.tool_calls is not None and self.role != "assistant":
+            raise BodyError(f"{at}.tool_calls: only an assistant message carries tool calls", f"{at}.tool_calls")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise BodyError(f"{at}.tool_call_id: required in a tool message", f"{at}.tool_call_id")
+        if self.role == "function" and self.name is None:
+            raise BodyError(f"{at}.name: required in a function message", f"{at}.name")
 
 
 class ChatRequest(RequestFields):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
+
+    def refuse(self) -> None:
+        super().refuse()
+        for i, m in enumerate(self.messages):
+            m.refuse(f"messages.{i}")
 
     def params(self) -> dict:
         p = super().params()
@@ -184,7 +282,9 @@ class ChatRequest(RequestFields):
 
 # every field name of the request bodies, to tell a field from a union member in an error's location
 REQUEST_FIELDS = frozenset(
-    name for m in (CompletionRequest, ChatRequest, FlyOptions, Message, StreamOptions) for name in m.model_fields
+    name
+    for m in (CompletionRequest, ChatRequest, FlyOptions, Message, StreamOptions, ContentPart, ToolCall, FunctionCall)
+    for name in m.model_fields
 )
 
 
@@ -223,6 +323,7 @@ def parse_body(raw: bytes, model: type[BaseModel]) -> BaseModel:
         reason = PROMPT_FORMS if param == "prompt" and first.get("type") != "missing" else first.get("msg")
         raise BodyError(f"{param or 'body'}: {reason}", param) from None
     refuse_unapplied(obj)
+    body.refuse()
     return body
 
 

@@ -39,6 +39,9 @@ class Update:
     completion_tokens: int = 0
     fly: dict = field(default_factory=dict)
     error: str | None = None  # the request failed (a replica died ...): it is over. Internal detail, for the log
+    # the request's own field that ended it (a grammar with no way on past the pre-check): the
+    # client's error, its `error` the reason to tell the client
+    error_param: str | None = None
 
 
 # A round's timeline, in order: the loop's own time before it (inbox, admissions), the drafter call
@@ -86,6 +89,7 @@ class _Submit:
     future: Future
     arrival: float  # time.monotonic() when the request arrived, for the time to first token
     messages: list[dict] | None = None  # a chat request's conversation (a drafter of another tokenizer renders it)
+    matcher: object = None  # its grammar's matcher, compiled by check_grammar (grammar.Grammars.handing)
 
 
 @dataclass
@@ -150,21 +154,24 @@ class EngineLoop:
         sink,
         arrival: float | None = None,
         messages: list[dict] | None = None,
+        matcher=None,
     ) -> Future:
         """Future of the engine Request, or of the ParamError that rejected it. messages: a chat
-        request's conversation, which the prompt renders (Engine.add)."""
+        request's conversation, which the prompt renders (Engine.add); matcher: its grammar's,
+        from check_grammar (the engine thread then compiles nothing)."""
         fut = Future()
         arrival = time.monotonic() if arrival is None else arrival
-        self._post(_Submit(prompt, params, request_id, sink, fut, arrival, messages))
+        self._post(_Submit(prompt, params, request_id, sink, fut, arrival, messages, matcher))
         return fut
 
-    def check_grammar(self, params: dict) -> None:
-        """ParamError for a request's structured output that admission would refuse or that the
-        grammar library cannot follow along its first tokens (grammar.Grammars.check). Runs on
-        the caller's thread (a worker thread of the ingress): a grammar that takes the library
-        long to refuse costs the engine thread nothing. Reads only what does not change once the
-        engine is built (its defaults, its grammar side)."""
-        self.engine.grammars.check(self.engine.defaults.merged(params))
+    def check_grammar(self, params: dict):
+        """The matcher of a request's structured output (None: unconstrained), or ParamError for
+        one that admission would refuse or that the grammar library cannot follow along its first
+        tokens (grammar.Grammars.check). Runs on the caller's thread (a worker thread of the
+        ingress): compiling costs the engine thread nothing, and the matcher goes to it with the
+        request (submit). Reads only what does not change once the engine is built (its
+        defaults, its grammar side)."""
+        return self.engine.grammars.check(self.engine.defaults.merged(params))
 
     def abort(self, request_id: str) -> None:
         """Idempotent: aborting a finished or unknown request does nothing."""
@@ -319,7 +326,8 @@ class EngineLoop:
         if not s.future.set_running_or_notify_cancel():
             return  # the client left before its request was admitted
         try:
-            req = self.engine.add(s.prompt, s.params, request_id=s.request_id, messages=s.messages)
+            with self.engine.grammars.handing(s.matcher):
+                req = self.engine.add(s.prompt, s.params, request_id=s.request_id, messages=s.messages)
         except Exception as e:  # a ParamError is the client's 400; anything else its 500
             s.future.set_exception(e)
             return
@@ -374,6 +382,9 @@ class EngineLoop:
             update = Update(req.delta())
             if req.finished:
                 update.finish_reason, update.error = req.finish_reason, req.error
+                failed = req.matcher is not None and req.matcher.failed
+                if req.finish_reason == "error" and failed:  # its grammar's dead end: the client's input
+                    update.error_param = req.matcher.field
                 update.prompt_tokens, update.completion_tokens = req.n_prompt, len(req.generated)
                 update.fly = {**req.stats.as_dict(), "max_batch_size": self.max_batch_seen.get(req.id, 0)}
                 self._forget(req.id)

@@ -11,8 +11,10 @@ What runs before a handler is middleware.py (request ids, the API key, exception
 bodies and the failure metric, errors.py). A generation's way through its handler, each step able
 to end it with an error that carries the request id: draining / loading / unhealthy (503 with
 Retry-After, at once), the body's size (413, before it is read) and its time (408 past
-body_timeout_s), its shape (400 naming the field), at capacity (503: a slot is taken only for a
-body read and parsed, so a slow client holds none), the prompt tokenized and its grammar compiled
+body_timeout_s; the HTTP proxy's guard, http/proxy_guard.py, has read it whole already and applied
+both, so a slow client waits there and holds none of this replica's Serve places: these are for a
+proxy without it), its shape (400 naming the field), at capacity (503: a slot is taken only for a
+body read and parsed), the prompt tokenized and its grammar compiled
 in worker threads (tokenization.py, grammar.py, 400), admission by the engine loop (400), then the
 generation, collected or streamed (sse.py). A client that leaves at any step takes its request out
 of the engine. Whether the parts are sound is health.py's.
@@ -166,6 +168,7 @@ class Ingress:
         # the loop's thread too
         self.prober = Prober(self._parts(target_handle, handles), on_ready=lambda: self._calibrate(engine, args))
         self.slots = Slots(args.max_batch + args.max_waiting)
+        self.ongoing_limit = serve_limits(args.max_batch, args.max_waiting)["max_ongoing_requests"]  # Serve's
         self.draining = False
 
     def _calibrate(self, engine, args: AppArgs) -> None:
@@ -260,6 +263,7 @@ class Ingress:
             "status": self._state()[0],
             "in_flight": len(self.slots),
             "capacity": self.slots.capacity,
+            "ongoing_limit": self.ongoing_limit,  # Serve's max_ongoing_requests of this replica
         }
         names = list(self.local_drafters or self.drafter_handles)
         if names:  # the default drafter's as it always was, and every drafter's by name
@@ -312,17 +316,17 @@ class Ingress:
                 params = body.params()
                 prompt = await asyncio.to_thread(self.prompts.prompt_ids, body, chat)
                 # a grammar is compiled and tried here, in a worker thread: one the library
-                # cannot follow is this request's 400, and never costs the engine thread its time
-                await asyncio.to_thread(self.loop.check_grammar, params)
+                # cannot follow is this request's 400, and the engine thread gets it compiled
+                matcher = await asyncio.to_thread(self.loop.check_grammar, params)
             except ParamError as e:
                 raise ApiError(400, str(e), body.client_field(e.field)) from None
-            updates = await self._submit(ids, body, prompt, params, arrival)
+            updates = await self._submit(ids, body, prompt, params, arrival, matcher)
             bodies = ResponseBodies(chat, rid, self.model_name)
             if not body.stream:
-                return await self._collect(ids, updates, bodies)
+                return await self._collect(ids, updates, bodies, body.client_field)
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             response = StreamingResponse(
-                self._stream(ids, updates, bodies, include_usage), media_type="text/event-stream"
+                self._stream(ids, updates, bodies, include_usage, body.client_field), media_type="text/event-stream"
             )
             # A response dropped before it is sent (the client left just now) never starts the
             # stream, so the stream's own cleanup would never run: this one does.
@@ -384,7 +388,7 @@ class Ingress:
             raise ClientDisconnect() from None
         return b"".join(chunks)
 
-    async def _submit(self, ids: Ids, body, prompt: list[int], params: dict, arrival: float) -> asyncio.Queue:
+    async def _submit(self, ids: Ids, body, prompt: list[int], params: dict, arrival: float, matcher) -> asyncio.Queue:
         """Posts the request to the engine loop; the queue then receives its updates. A client
         that leaves meanwhile takes the request out again."""
         updates: asyncio.Queue = asyncio.Queue()
@@ -393,8 +397,8 @@ class Ingress:
         def sink(update: Update) -> None:  # called on the engine thread
             aloop.call_soon_threadsafe(updates.put_nowait, update)
 
-        messages = [m.model_dump() for m in body.messages] if isinstance(body, ChatRequest) else None
-        admitted = asyncio.wrap_future(self.loop.submit(prompt, params, ids.engine, sink, arrival, messages))
+        messages = [m.for_template() for m in body.messages] if isinstance(body, ChatRequest) else None
+        admitted = asyncio.wrap_future(self.loop.submit(prompt, params, ids.engine, sink, arrival, messages, matcher))
         try:
             await self._watch(ids, lambda: asyncio.shield(admitted))
         except ParamError as e:
@@ -415,20 +419,26 @@ class Ingress:
                 if problem := self.loop.problem():
                     raise generation_failed(ids, problem) from None
 
-    async def _updates(self, ids: Ids, queue: asyncio.Queue) -> AsyncIterator[Update]:
-        """A request's updates up to its last; a failed generation raises (the detail to the log)."""
+    async def _updates(self, ids: Ids, queue: asyncio.Queue, client_field: Callable) -> AsyncIterator[Update]:
+        """A request's updates up to its last; a failed generation raises: the client's error
+        where its own input ended it (a grammar with no way on: 400 naming the field), else a
+        500 (the detail to the log). client_field: the request body's (an engine field as sent)."""
         while True:
             u = await self._watch(ids, queue.get)
+            if u.error and u.error_param:
+                field = client_field(u.error_param)
+                log.info("fly: request %s (%s): ended by its %s: %s", ids.client_id, ids.engine, field, u.error)
+                raise ApiError(400, f"{field}: {u.error}", field, code="grammar_dead_end")
             if u.error:
                 raise generation_failed(ids, u.error)
             yield u
             if u.finish_reason:
                 return
 
-    async def _collect(self, ids: Ids, queue: asyncio.Queue, bodies: ResponseBodies) -> JSONResponse:
+    async def _collect(self, ids: Ids, queue: asyncio.Queue, bodies: ResponseBodies, client_field) -> JSONResponse:
         parts, last = [], None
         try:
-            async for u in self._updates(ids, queue):
+            async for u in self._updates(ids, queue, client_field):
                 parts.append(u.text)
                 last = u
         finally:
@@ -441,14 +451,14 @@ class Ingress:
         if self.slots.give(rid):
             self.loop.abort(rid)
 
-    async def _stream(self, ids: Ids, queue: asyncio.Queue, bodies: ResponseBodies, include_usage: bool):
+    async def _stream(self, ids: Ids, queue: asyncio.Queue, bodies: ResponseBodies, include_usage: bool, client_field):
         done = False
 
         def error_event(e: BaseException) -> dict:
             return self.errors.answer(e, ids).body(ids.client_id)
 
         try:
-            async for event in events(self._updates(ids, queue), bodies, include_usage, error_event):
+            async for event in events(self._updates(ids, queue, client_field), bodies, include_usage, error_event):
                 done = done or event == "data: [DONE]\n\n"
                 yield event
         finally:

@@ -31,7 +31,7 @@ class PromptEncoder:
         event loop nor the engine thread). A prompt whose length alone proves it past the
         context is refused without tokenizing it."""
         if chat:
-            text = chat_text(self.tokenizer, [m.model_dump() for m in body.messages])
+            text = chat_text(self.tokenizer, [m.for_template() for m in body.messages])
         else:
             text = body.prompt_input()
             if not isinstance(text, str):

@@ -8,10 +8,11 @@ Correctness never depends on the routing: rows carry all their tokens and a cold
 rebuilds the cache (counted as a miss). The pool scales on the fraction of time each replica's
 model is busy (record_autoscaling_stats, BusyPolicy).
 
-Health: check_health() runs the model on one token; a replica whose calls hang (the one token is
-not through within the probe's timeout: it queues behind the calls on the torch thread) or whose
-model fails is replaced by Serve. The ingress's engine
-drafts by prompt lookup meanwhile (a drafter failure never fails a request).
+Health: check_health() runs the model on one token, touching no row's KV cache (torch: embedding,
+norm and head; llama.cpp: a forward in the sequence id kept for the probe, LlamaRunner.probe); a
+replica whose calls hang (the one token is not through within the probe's timeout: it queues
+behind the calls on the torch thread) or whose model fails is replaced by Serve. The ingress's
+engine drafts by prompt lookup meanwhile (a drafter failure never fails a request).
 """
 
 import asyncio
@@ -39,7 +40,6 @@ PROBE_TIMEOUT_S = 20.0  # the calls before it done (no call stuck) and one token
 # Serve's controller: a check every period; three failed checks in a row replace the replica.
 HEALTH_CHECK_PERIOD_S = 5.0
 HEALTH_CHECK_TIMEOUT_S = 30.0
-PROBE_KEY = "health-probe"  # the llama.cpp probe's row, released at once
 DEPLOYMENT = "FlyDrafter"  # the default drafter's pool; another's is FlyDrafter-<its name>
 
 
@@ -101,6 +101,10 @@ class DrafterDeployment:
         self.hits = metrics.Counter("fly_drafter_cache_hits", "Rows whose drafter KV cache was warm.")
         self.misses = metrics.Counter("fly_drafter_cache_misses", "Rows the drafter had to prefill.")
         self.hit_rate = metrics.Gauge("fly_drafter_cache_hit_rate", "hits / (hits + misses) since start.")
+        self.evictions = metrics.Counter(
+            "fly_drafter_rows_evicted", "Rows the drafter's llama.cpp cache evicted while held (each prefills again)."
+        )
+        self._evicted_seen = 0
         self.rows = 0  # rows drafted since start
         self.busy_s = 0.0  # seconds the model drafted since start
         self._reported = (time.monotonic(), 0.0, 0)  # (when, busy_s, rows) at the last stats report
@@ -120,9 +124,12 @@ class DrafterDeployment:
                 self.busy_s += time.monotonic() - t0
                 self.rows += len(rows)
                 self.last_done = time.monotonic()
-            for counter, n in ((self.hits, self.drafter.hits - hits), (self.misses, self.drafter.misses - misses)):
+            evicted = self._rows_evicted()
+            counts = ((self.hits, self.drafter.hits - hits), (self.misses, self.drafter.misses - misses))
+            for counter, n in (*counts, (self.evictions, evicted - self._evicted_seen)):
                 if n > 0:  # Ray counters reject 0
                     counter.inc(n)
+            self._evicted_seen = evicted
             self.hit_rate.set(self.cache_report()["hit_rate"])
             return out
 
@@ -136,7 +143,11 @@ class DrafterDeployment:
             self.last_done = time.monotonic()
 
     def cache_report(self) -> dict:
-        return self.drafter.cache_report() | {"rows": self.rows, "busy_s": self.busy_s}
+        return self.drafter.cache_report() | {"rows": self.rows, "busy_s": self.busy_s, "evicted": self._rows_evicted()}
+
+    def _rows_evicted(self) -> int:
+        """Rows the llama.cpp cache evicted while held (0 on torch, whose cache counts none)."""
+        return getattr(getattr(self.drafter.runner, "cache", None), "evicted", 0)
 
     # ---- autoscaling: the signal the drafter really sees
     def record_autoscaling_stats(self) -> dict[str, float]:
@@ -173,11 +184,11 @@ class DrafterDeployment:
     def _one_token_logits(self) -> torch.Tensor:
         """Embedding, final norm and head on one token: the weights are there and compute, and no
         sequence's KV cache is touched."""
-        model = self.drafter.runner.model
-        if not isinstance(model, torch.nn.Module):  # llama.cpp: a one-token forward of a probe row
-            logits, _ = self.drafter.runner.feed([PROBE_KEY], [[0]], tail=[1])
-            self.drafter.runner.release([PROBE_KEY])
-            return logits
+        runner = self.drafter.runner
+        model = runner.model
+        if not isinstance(model, torch.nn.Module):  # llama.cpp: the probe's own sequence id, no row's
+            logits = runner.probe()
+            return torch.zeros(1) if logits is None else logits  # None: cache full, the model answered
         with torch.inference_mode():
             h = model.model.embed_tokens(torch.zeros(1, 1, dtype=torch.long, device=self.drafter.runner.device))
             return model.lm_head(model.model.norm(h))

@@ -16,13 +16,21 @@ llguidance builds its lexer lazily, so a grammar it accepts may still fail on th
 (a regex of a million repetitions: "too many expressions constructed"), and a grammar that no
 text completes (`start: x`, `x: x`; a schema whose $refs only loop) is found only at its first
 mask. `Grammars.check` therefore compiles a request's grammar and walks a few tokens along it
-before the request is admitted, so that these are the request's 400; a matcher that fails later
-raises `GrammarFailed`, and its request fails alone (never a 200 with what came before).
+before the request is admitted, so that these are the request's 400; the matcher it compiled is
+handed to the engine thread with the request (`Grammars.handing`), which never compiles a served
+request's grammar again (a large schema costs a second or more). A dead end found later (a
+grammar whose only way leads, after many tokens, to a rule nothing completes) is still the
+request's own input: the matcher records it (`Matcher.failed`, with the field that asked for it)
+and its request fails alone as the client's error (never a 200 with what came before). Drafts are
+tried on a copy of the matcher (`plan`), since the library's error state outlives a rollback: a
+draft that leads into a dead end is refused, and the committed state stays sound.
 """
 
 import json
 import logging
+import threading
 from collections import OrderedDict
+from contextlib import contextmanager
 
 import llguidance
 import llguidance.hf
@@ -46,6 +54,9 @@ PROBE_TOKENS = 8
 # wrapper takes 3); a schema nesting deeper has its subschemas below this depth moved to $defs.
 LIBRARY_DEPTH = 124
 MOVE_BELOW = 32
+# Compiled grammars kept (by their llguidance text) for the drafter's matchers in this process:
+# a copy of one costs microseconds where compiling a large schema costs a second.
+COMPILED_KEPT = 32
 
 
 class GrammarFailed(RuntimeError):
@@ -213,6 +224,8 @@ def grammar_of(response_format=None, regex: str | None = None, grammar: str | No
         text = _schema_grammar(schema)
     elif not isinstance(value, str) or not value:
         raise ParamError(name, "must be a non-empty string")
+    elif not _is_text(value):
+        raise ParamError(name, "not valid Unicode text (a lone surrogate)")
     elif name == "regex":
         text = llguidance.LLMatcher.grammar_from_regex(value)
     else:
@@ -221,6 +234,16 @@ def grammar_of(response_format=None, regex: str | None = None, grammar: str | No
     if error and not error.startswith("WARNING"):
         raise ParamError(name, f"refused by the grammar library: {_first_line(error)}")
     return name, text
+
+
+def _is_text(value: str) -> bool:
+    """value encodes as UTF-8 (JSON's "\\ud800" decodes to a lone surrogate, which the library
+    cannot take)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def unpack(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -242,26 +265,38 @@ def apply_masks(logits: torch.Tensor, masks: list[torch.Tensor | None] | None) -
 
 
 class Matcher:
-    """A request's grammar state after its committed tokens. Once the library has given up on
-    the grammar (Grammars.check walks a few tokens to find most such grammars first), every
-    step raises GrammarFailed."""
+    """A request's grammar state after its committed tokens. Once the grammar has no way on from
+    them (a dead end the probe did not reach, or a limit of the library), `failed` says why: the
+    masks then allow EOS alone, and committing raises GrammarFailed, so its request ends with an
+    error, blamed on `field` (the request's response_format, regex or grammar)."""
 
-    def __init__(self, tokenizer: llguidance.LLTokenizer, grammar: str, eos_ids: set[int]):
+    def __init__(self, tokenizer: llguidance.LLTokenizer, grammar: str, eos_ids: set[int], field: str = "grammar"):
         self.m = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=LIMITS)
         if self.m.is_error():
-            raise ParamError("grammar", _first_line(self.m.get_error()))
-        self.text, self.eos_ids = grammar, eos_ids
+            raise ParamError(field, _first_line(self.m.get_error()))
+        self.text, self.eos_ids, self.field = grammar, eos_ids, field
         self.pushed = 0  # tokens consumed tentatively (push), undone by pop
+        self.failed: str | None = None
+        self.spec: tuple | None = None  # the request's (response_format, regex, grammar) it was compiled for
 
-    def _sound(self) -> None:
-        if self.m.is_error():
-            raise GrammarFailed(f"the grammar library gave up: {_why(self.m.get_error())}")
+    def copy(self) -> "Matcher":
+        """A matcher of the same grammar in the same state (no compiling: the library copies it)."""
+        out = object.__new__(Matcher)
+        out.m, out.text, out.eos_ids, out.field = self.m.deep_copy(), self.text, self.eos_ids, self.field
+        out.pushed, out.failed, out.spec = 0, self.failed, self.spec
+        return out
+
+    def _fail(self, why: str) -> GrammarFailed:
+        self.failed = self.failed or why
+        return GrammarFailed(self.failed)
 
     def accept(self, tokens: list[int]) -> None:
         """Commit tokens (already allowed by the masks); EOS ends the sequence, it is not fed."""
+        if self.failed:  # the masks allowed EOS alone: an end the grammar never reached
+            raise GrammarFailed(self.failed)
         tokens = [t for t in tokens if t not in self.eos_ids]
         if tokens and not self.m.consume_tokens(tokens):
-            raise GrammarFailed(f"grammar refused a committed token: {_why(self.m.get_error())}")
+            raise self._fail(f"grammar refused a committed token: {_why(self.m.get_error())}")
 
     @property
     def done(self) -> bool:
@@ -269,9 +304,15 @@ class Matcher:
         return self.m.is_stopped()
 
     def mask(self) -> torch.Tensor:
-        """The allowed tokens at the next position, a bitmask [W] int32."""
-        bits = self.m.compute_bitmask()
-        self._sound()  # a failed mask allows EOS alone: a "stop" the grammar never reached
+        """The allowed tokens at the next position, a bitmask [W] int32 (EOS alone once failed)."""
+        return self._mask_of(self.m, self)
+
+    @staticmethod
+    def _mask_of(m: llguidance.LLMatcher, owner: "Matcher | None") -> torch.Tensor:
+        """m's mask; a failed one (EOS alone) marks `owner` failed, with the library's reason."""
+        bits = m.compute_bitmask()
+        if m.is_error() and owner is not None:
+            owner._fail(f"the grammar has no way on from here: {_why(m.get_error())}")
         return torch.frombuffer(bytearray(bits), dtype=torch.int32)
 
     def allows(self, mask: torch.Tensor, token: int) -> bool:
@@ -280,20 +321,27 @@ class Matcher:
     def plan(self, drafts: list[int]) -> tuple[int, torch.Tensor]:
         """(how many leading drafts the grammar allows, the masks [m, W] of positions 0..m-1 along
         them): m = legal + 1, the position after the last legal draft included. An EOS draft is
-        the last one looked at. The matcher ends where it began (rolled back)."""
-        masks, legal = [], 0
-        for t in drafts:
-            mask = self.mask()
+        the last one looked at. The drafts are walked on a copy (the matcher stays where it is):
+        a draft after which the grammar has no way on is refused too, and its bit cleared from
+        its position's mask where that leaves a choice; a mask that fails at the matcher's own
+        position marks it failed (mask)."""
+        walker, masks, legal = self.m.deep_copy(), [], 0
+        for t in [*drafts, None]:
+            mask = self._mask_of(walker, self if legal == 0 else None)
+            if walker.is_error() and legal > 0:  # drafts[legal - 1] leads nowhere
+                legal -= 1
+                narrowed = masks[-1].clone()
+                narrowed[drafts[legal] >> 5] &= ~(1 << (drafts[legal] & 31))
+                if narrowed.any():
+                    masks[-1] = narrowed
+                break
             masks.append(mask)
-            if not self.allows(mask, t):
+            if t is None or walker.is_error() or not self.allows(mask, t):
                 break
             legal += 1
             if t in self.eos_ids:
                 break
-            self.m.consume_token(t)
-        else:
-            masks.append(self.mask())
-        self.m.rollback(legal - (1 if legal and drafts[legal - 1] in self.eos_ids else 0))
+            walker.consume_token(t)
         return legal, torch.stack(masks)
 
     def probe(self, steps: int) -> None:
@@ -327,7 +375,7 @@ class Matcher:
         end = self.until_eos(tokens)
         n = self.m.validate_tokens(tokens[:end]) if end else 0
         if n and not self.m.consume_tokens(tokens[:n]):
-            raise GrammarFailed(f"grammar refused a validated token: {_why(self.m.get_error())}")
+            raise self._fail(f"grammar refused a validated token: {_why(self.m.get_error())}")
         self.pushed += n
         return n
 
@@ -338,11 +386,15 @@ class Matcher:
 
 class Grammars:
     """The engine's grammar side: the tokenizer as llguidance reads it (built on first use: about
-    2 s for a 152k vocabulary) and a Matcher per constrained request."""
+    2 s for a 152k vocabulary), a Matcher per constrained request, and the grammars compiled in
+    this process (by their text, COMPILED_KEPT at most) for the drafter's matchers to copy."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_ids):
         self.hf_tokenizer, self.vocab_size, self.eos_ids = tokenizer, vocab_size, set(eos_ids)
         self._tokenizer = None
+        self._compiled: OrderedDict[str, Matcher] = OrderedDict()  # text -> a matcher at its start
+        self._lock = threading.Lock()  # check() runs in worker threads
+        self._handed = threading.local()  # .item: (spec, matcher), the next admission's on that thread
 
     @property
     def tokenizer(self) -> llguidance.LLTokenizer:
@@ -359,10 +411,32 @@ class Grammars:
         except Exception:
             log.warning("structured output unavailable: llguidance cannot read this tokenizer", exc_info=True)
 
+    @staticmethod
+    def _spec(params) -> tuple:
+        return (params.response_format, params.regex, params.grammar)
+
+    @contextmanager
+    def handing(self, matcher: Matcher | None):
+        """Within this block, on this thread, the next matcher(params) of the grammar `matcher`
+        was compiled for is `matcher` (compiled and probed by `check` in a worker thread), not a
+        new compilation: the engine loop admits the request inside it, on the engine thread."""
+        self._handed.item = matcher
+        try:
+            yield
+        finally:
+            self._handed.item = None
+
     def matcher(self, params, probe_tokens: int = 0) -> Matcher | None:
         """The request's matcher, None when unconstrained; ParamError names the field at fault.
         Its first mask is computed here: a grammar that nothing completes is refused now.
-        probe_tokens: walk that many tokens along it too (Matcher.probe)."""
+        probe_tokens: walk that many tokens along it too (Matcher.probe). The one handed over
+        for this grammar (handing) is taken as it is."""
+        handed, self._handed.item = getattr(self._handed, "item", None), None
+        if handed is not None and handed.spec == self._spec(params):
+            return handed
+        return self._compile(params, probe_tokens)
+
+    def _compile(self, params, probe_tokens: int) -> Matcher | None:
         asked = grammar_of(params.response_format, params.regex, params.grammar)
         if asked is None:
             return None
@@ -372,21 +446,41 @@ class Grammars:
         except Exception as e:
             raise ParamError(name, f"structured output is not available with this tokenizer ({e})") from None
         try:
-            m = Matcher(tokenizer, text, self.eos_ids)
+            m = Matcher(tokenizer, text, self.eos_ids, field=name)
             m.probe(max(probe_tokens, 1))
-            return m
         except ParamError as e:
             raise ParamError(name, f"refused by the grammar library: {e.message}") from None
         except GrammarFailed as e:
             raise ParamError(name, str(e)) from None
         except ValueError as e:  # llguidance raises on a grammar it cannot build for this tokenizer
             raise ParamError(name, f"refused by the grammar library: {e}") from None
+        m.spec = self._spec(params)
+        self._keep(m)
+        return m
 
-    def check(self, params) -> None:
+    def check(self, params) -> Matcher | None:
         """What admission would refuse of the request's grammar, and what the library cannot
         follow along its first PROBE_TOKENS tokens: ParamError naming the field (the ingress
-        calls this in a worker thread, before the request reaches the engine thread)."""
-        self.matcher(params, PROBE_TOKENS)
+        calls this in a worker thread, before the request reaches the engine thread). Returns
+        the compiled matcher, to hand to the engine thread (handing)."""
+        return self._compile(params, PROBE_TOKENS)
+
+    def _keep(self, m: Matcher) -> None:
+        with self._lock:
+            self._compiled[m.text] = m.copy()
+            self._compiled.move_to_end(m.text)
+            while len(self._compiled) > COMPILED_KEPT:
+                self._compiled.popitem(last=False)
+
+    def fresh(self, text: str, field: str = "grammar") -> Matcher:
+        """A matcher of this grammar text at its start: a copy of one compiled here, else compiled."""
+        with self._lock:  # copied under the lock: one matcher is never read by two threads at once
+            kept = self._compiled.get(text)
+            if kept is not None:
+                return kept.copy()
+        m = Matcher(self.tokenizer, text, self.eos_ids, field=field)
+        self._keep(m)
+        return m
 
 
 class DraftMatchers:
@@ -408,8 +502,9 @@ class DraftMatchers:
         committed = len(row.tokens) - row.guessed
         held = self.by_key.pop(row.key, None)
         try:
-            if held is None or held[0].text != row.grammar.text or held[1] > committed:
-                held = (Matcher(self.grammars.tokenizer, row.grammar.text, self.grammars.eos_ids), row.grammar.start)
+            stale = held is None or held[0].text != row.grammar.text or held[1] > committed or held[0].failed
+            if stale:  # a failed one (a draft into a dead end) is rebuilt: the engine's stays sound
+                held = (self.grammars.fresh(row.grammar.text), row.grammar.start)
             m = held[0]
             m.accept(row.tokens[held[1] : committed])
         except Exception:  # a part that cannot follow the row drafts it unmasked; the engine cuts

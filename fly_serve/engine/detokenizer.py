@@ -11,6 +11,8 @@ whole decode would show it. The concatenation equals `decode(all, skip_special_t
 (tests/test_detokenizer.py checks it on the real tokenizer and random ids).
 """
 
+import functools
+
 REPLACEMENT = "\ufffd"  # what a tokenizer shows for an incomplete UTF-8 sequence
 
 
@@ -59,11 +61,39 @@ def find_stop(text: str, stops: list[str], searched: int) -> int | None:
 
 def held_back(text: str, stops: list[str]) -> int:
     """How many characters at the end of `text` may still become the start of a stop string: a
-    stream holds them back until the next round tells."""
-    hold = 0
-    for s in stops:
-        for n in range(min(len(s) - 1, len(text)), hold, -1):
-            if text.endswith(s[:n]):
-                hold = n
-                break
-    return hold
+    stream holds them back until the next round tells. O(len(s)) per stop string s (it runs on the
+    engine thread for every streamed request every round), where trying every prefix would cost
+    O(len(s)^2)."""
+    return max((_open_prefix(text, s) for s in dict.fromkeys(stops)), default=0)
+
+
+def _open_prefix(text: str, stop: str) -> int:
+    """The longest n < len(stop) such that text ends with stop[:n]: the stop string's matcher
+    (Knuth-Morris-Pratt) run over the last len(stop) - 1 characters, from the first one that could
+    begin it."""
+    start = text.find(stop[0], max(0, len(text) - len(stop) + 1)) if stop else -1
+    if start < 0:
+        return 0
+    border, n = _borders(stop), 0
+    for c in text[start:]:
+        if n == len(stop):  # a whole match (find_stop cuts there): go on from its longest border
+            n = border[n - 1]
+        while n and stop[n] != c:
+            n = border[n - 1]
+        if stop[n] == c:
+            n += 1
+    return border[n - 1] if n == len(stop) else n
+
+
+@functools.lru_cache(maxsize=1024)
+def _borders(stop: str) -> tuple[int, ...]:
+    """KMP's failure function: for each prefix stop[:i + 1], the length of its longest proper
+    prefix that is also its suffix. Cached: a request's few stop strings meet it every round."""
+    border, n = [0] * len(stop), 0
+    for i in range(1, len(stop)):
+        while n and stop[i] != stop[n]:
+            n = border[n - 1]
+        if stop[i] == stop[n]:
+            n += 1
+        border[i] = n
+    return tuple(border)

@@ -38,6 +38,14 @@ def shown(value) -> str:
     return text if len(text) <= SHOWN_CHARS else f"{text[:SHOWN_CHARS]}... ({len(text)} characters)"
 
 
+# OpenAI's ranges: temperature in [0, 2], top_p in [0, 1], up to 4 stop strings. A stop string's
+# length is ours to bound (OpenAI states none): what a stream holds back while its text may still
+# become one, and what the engine thread matches against every round's text.
+MAX_TEMPERATURE = 2.0
+MAX_STOPS = 4
+MAX_STOP_CHARS = 512
+
+
 @dataclass(frozen=True)
 class Mode:
     """What a mode drafts with, and how its drafts are judged."""
@@ -120,10 +128,12 @@ class Params:
         "auto (tli when sampling, else the drafter's own rule)",
         choices=CROSS_VOCAB,
     )
-    temperature: float = knob(0.0, f"sampling temperature in [0, 100] (below {SAMPLING_EPS}: greedy)", api="openai")
-    top_p: float = knob(1.0, "nucleus sampling", api="openai")
+    temperature: float = knob(
+        0.0, f"sampling temperature in [0, {MAX_TEMPERATURE:g}] (below {SAMPLING_EPS}: greedy)", api="openai"
+    )
+    top_p: float = knob(1.0, "nucleus sampling, in [0, 1] (0: the most likely token only)", api="openai")
     max_tokens: int = knob(256, "most tokens to generate", api="openai")
-    stop: list[str] = knob([], "stop strings", api="openai")
+    stop: list[str] = knob([], f"stop strings, at most {MAX_STOPS} of {MAX_STOP_CHARS} characters each", api="openai")
     seed: int | None = knob(None, "seed of this request's random numbers", api="openai")
     # Structured output (grammar.py): at most one of the three; every mode honours it.
     response_format: dict | None = knob(
@@ -213,16 +223,20 @@ class Params:
             bad("entropy", f"must be one of {', '.join(ENTROPIES)}")
         if self.window_rule not in WINDOW_RULES:
             bad("window_rule", f"must be one of {', '.join(WINDOW_RULES)}")
-        if not is_num(self.temperature) or not 0 <= self.temperature <= 100:
-            bad("temperature", "must be in [0, 100]")
+        if not is_num(self.temperature) or not 0 <= self.temperature <= MAX_TEMPERATURE:
+            bad("temperature", f"must be in [0, {MAX_TEMPERATURE:g}]")
         if self.temperature < SAMPLING_EPS:
             self.temperature = 0.0  # greedy (SAMPLING_EPS)
-        if not is_num(self.top_p) or not 0 < self.top_p <= 1:
-            bad("top_p", "must be in (0, 1]")
+        if not is_num(self.top_p) or not 0 <= self.top_p <= 1:
+            bad("top_p", "must be in [0, 1]")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             bad("stop", "must be a non-empty string or a list of them")
+        if len(self.stop) > MAX_STOPS:
+            raise ParamError("stop", f"at most {MAX_STOPS} stop strings (got {len(self.stop)})")
+        if (longest := max(map(len, self.stop), default=0)) > MAX_STOP_CHARS:
+            raise ParamError("stop", f"a stop string is at most {MAX_STOP_CHARS} characters (got {longest})")
         if self.seed is not None and (not is_int(self.seed) or not MIN_SEED <= self.seed <= MAX_SEED):
             bad("seed", f"must be an int64, in [{MIN_SEED}, {MAX_SEED}]")
         if not isinstance(self.mla, bool):

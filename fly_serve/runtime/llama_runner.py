@@ -27,6 +27,13 @@ logits are bit for bit the same in a plain step, in a verification of any width 
 (tests/test_reproducible.py), so a greedy request gives one text however rounds and batches fell,
 and strict speculative decoding gives plain decoding's text exactly; what it costs is measured in
 docs/benchmarks.md.
+
+Sequence ids are llama.cpp's own maximum (llama_max_parallel_sequences, 256; fewer only if the
+cells or a batch's tokens are fewer), one kept for the health probe: what limits the rows held is the cells, so a
+drafter replica drafting for several ingress units never evicts a row for want of an id. An idle
+row evicted all the same (no free id, or no room for a batch) prefills again on its next call:
+each is counted (`SeqTable.evicted`) and logged. The ids cost llama.cpp's logits buffer, which it
+reserves for at least n_seq_max outputs (n_seq_max x vocab floats).
 """
 
 import ctypes
@@ -166,13 +173,16 @@ class SeqTable:
     llama.cpp's cache follow kv_cache.py's content rule. Held rows and (with the prefix cache)
     released donors are kept in least-recently-used order."""
 
-    def __init__(self, mem, n_ids: int, capacity_tokens: int, prefix_cache: bool):
+    def __init__(self, mem, n_ids: int, capacity_tokens: int, prefix_cache: bool, max_donors: int | None = None):
         self.mem, self.capacity_tokens, self.prefix_cache = mem, capacity_tokens, prefix_cache
+        # donors kept at most (each new row is compared with every one): the ids' number is no bound
+        self.max_donors = n_ids if max_donors is None else max_donors
         self.free_ids = list(range(n_ids))
         self.rows: OrderedDict[str, _Seq] = OrderedDict()
         self.donors: OrderedDict[int, _Seq] = OrderedDict()  # released sequences kept for their prefix
         self.hits: dict[str, int] = {}
         self.hit_tokens_total = 0
+        self.evicted = 0  # rows (not donors) evicted while held: each prefills again when it returns
 
     # ---- what kv_cache.KVCache answers the same way
     def valid(self, key: str, tokens: list[int]) -> int:
@@ -242,7 +252,16 @@ class SeqTable:
             return True
         for key in self.rows:
             if key not in busy:
-                self._forget(self.rows.pop(key))
+                s = self.rows.pop(key)
+                self.evicted += 1
+                log.warning(
+                    "llama.cpp cache: row %s evicted (%d tokens) for a sequence id or room; it prefills again "
+                    "when it returns (%d rows evicted so far)",
+                    key,
+                    len(s.tokens),
+                    self.evicted,
+                )
+                self._forget(s)
                 return True
         return False
 
@@ -254,6 +273,8 @@ class SeqTable:
                 continue
             if self.prefix_cache and len(s.tokens) >= MIN_SHARED:
                 self.donors[s.id] = s
+                while len(self.donors) > self.max_donors:
+                    self._forget(self.donors.popitem(last=False)[1])
             else:
                 self._forget(s)
 
@@ -320,8 +341,9 @@ class LlamaRunner:
         params = L.llama_context_default_params()
         params.n_ctx = capacity
         params.n_batch = params.n_ubatch = batch_tokens
-        # donors need ids of their own beside the rows held (prefix cache)
-        params.n_seq_max = min(2 * n_slots if prefix_cache else n_slots, 256)
+        # ids as many as llama.cpp allows (module docstring): the cells, not the ids, bound the rows
+        # (no more than a batch's tokens either: llama.cpp plans a batch of one token per sequence)
+        params.n_seq_max = min(L.llama_max_parallel_sequences(), capacity, batch_tokens)
         params.kv_unified = True  # one pool: rows of any lengths in one forward, prefixes shared
         params.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_ENABLED  # skips the other rows' masked cells
         params.no_perf = True
@@ -332,7 +354,10 @@ class LlamaRunner:
             raise RuntimeError(f"llama.cpp could not create a context of {capacity} tokens for {model.path}")
         self.batch_tokens = batch_tokens
         self.batch = _Batch(batch_tokens)
-        self.cache = SeqTable(L.llama_get_memory(self.ctx), params.n_seq_max, capacity, prefix_cache)
+        self.probe_seq = params.n_seq_max - 1  # the health probe's own id (probe), never a row's
+        mem = L.llama_get_memory(self.ctx)
+        self.cache = SeqTable(mem, self.probe_seq, capacity, prefix_cache, max_donors=n_slots)
+        self._probe_batch: _Batch | None = None
 
     def set_threads(self, n: int) -> None:
         self.threads = n
@@ -451,3 +476,25 @@ class LlamaRunner:
 
     def release(self, keys) -> None:
         self.cache.release(keys)
+
+    def probe(self) -> torch.Tensor | None:
+        """Logits [1, V] of one token through the model in the sequence id no row ever gets
+        (probe_seq), removed at once: the weights are there and compute, and no row's cells, id
+        or place in the eviction order is touched; nothing is evicted for it. None: no free cell
+        for one token now (llama.cpp answered; a full cache is the rows' business, not a fault)."""
+        L = lib()
+        if self._probe_batch is None:
+            self._probe_batch = _Batch(1)
+        b = self._probe_batch
+        b.token[0], b.pos[0], b.seq[0], b.logits[0] = 0, 0, self.probe_seq, 1
+        b.c.n_tokens = 1
+        try:
+            rc = L.llama_decode(self.ctx, b.c)
+            if rc == 1:
+                return None
+            if rc != 0:
+                raise RuntimeError(f"llama_decode failed ({rc}) on the health probe's token")
+            ptr = L.llama_get_logits(self.ctx)
+            return torch.from_numpy(np.ctypeslib.as_array(ptr, shape=(1, self.vocab_size))).clone()
+        finally:
+            L.llama_memory_seq_rm(self.cache.mem, self.probe_seq, -1, -1)
