@@ -39,6 +39,11 @@ class EngineConfig:
     # Share full KV blocks between sequences with the same token prefix (kv_cache.py), on the
     # target (every TP rank) and the drafter; off: every request prefills its whole prompt.
     prefix_cache: bool = False
+    # The model drafter's loop (drafters.draft_loop): "mla" (prompt lookup proposals checked in
+    # every forward: a CPU's, where a forward costs far more than the host's work), "fixed"
+    # (fixed_loop.py: one-token steps on static shapes, no host read inside: a GPU's, the steps
+    # replayed from CUDA graphs), "auto" (fixed on CUDA, mla elsewhere)
+    draft_loop: str = "auto"
     # The models' runtime (loading.resolve_runtime): "auto" runs a model that ships as GGUF on
     # llama.cpp's CPU kernels as shipped (llama_runner.py) and everything else on torch (GPUs, TP,
     # checkpoints, tiny test models); "torch" or "llama.cpp" to choose.

@@ -7,7 +7,9 @@ older state) rebuilds what it needs (kv_cache.KVCache.plan). A new drafter
 (a remote one, a datastore, an EAGLE head) is one class that satisfies `Drafter`.
 """
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Protocol
 
 import torch
@@ -66,6 +68,56 @@ class Row:
     @property
     def sampled(self) -> bool:
         return self.temperature > 0
+
+
+class RowTokens(Sequence):
+    """A row's tokens followed by more (its drafts), without copying either: what a part feeds
+    its runner, so that a round's host work does not grow with the context. `final`: how many
+    leading tokens are committed for the row's key, which never change for that key (a
+    request's committed tokens only grow); the torch KV cache then compares a row only past the
+    part it already holds of them (kv_cache.KVCache.valid), and prompt lookup keeps an index of
+    them by `key` (prompt_lookup.LookupIndexes). A slice is a list; `base` is never changed here."""
+
+    __slots__ = ("base", "extra", "final", "key")
+
+    def __init__(self, base: list[int], extra: list[int] = (), final: int = 0, key: str | None = None):
+        self.base, self.extra, self.final, self.key = base, extra, max(0, min(final, len(base))), key
+
+    @classmethod
+    def of(cls, row: "Row", extra: list[int] = ()) -> "RowTokens":
+        """A row's tokens (its committed part final) followed by extra."""
+        return cls(row.tokens, extra, len(row.tokens) - row.guessed, row.key)
+
+    def __len__(self) -> int:
+        return len(self.base) + len(self.extra)
+
+    def __iter__(self):
+        return chain(self.base, self.extra)
+
+    def __getitem__(self, i):
+        nb = len(self.base)
+        if isinstance(i, slice):
+            start, stop, step = i.indices(len(self))
+            if step != 1:
+                return list(self)[i]
+            if stop <= nb:
+                return self.base[start:stop]
+            if start >= nb:
+                return list(self.extra[start - nb : stop - nb])
+            return self.base[start:] + list(self.extra[: stop - nb])
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError("RowTokens index out of range")
+        return self.base[i] if i < nb else self.extra[i - nb]
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Sequence) and len(other) == len(self) and all(a == b for a, b in zip(self, other))
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        return f"RowTokens({len(self.base)} + {list(self.extra)}, final={self.final})"
 
 
 @dataclass

@@ -82,6 +82,9 @@ class AppArgs(BaseModel):
     # the models' runtime (fly_serve/loading/loading.py resolve_runtime): auto runs a GGUF model on
     # llama.cpp's kernels on a CPU, torch elsewhere
     runtime: Literal["auto", "torch", "llama.cpp"] = "auto"
+    # the model drafter's loop (fly_serve/drafting/drafters.py draft_loop): auto runs the
+    # fixed-shape loop on a GPU (fixed_loop.py) and the MLA loop on a CPU
+    draft_loop: Literal["auto", "mla", "fixed"] = "auto"
     # Staying up (deployments/README.md, "Serving that stays up"):
     max_waiting: int = Field(DEFAULT_MAX_WAITING, ge=0)  # admitted beyond max_batch; past that, 503
     # one call from the ingress to the target or to a drafter replica (then it is cancelled)

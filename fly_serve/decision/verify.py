@@ -44,12 +44,13 @@ def greedy_check(logits: torch.Tensor, drafts: torch.Tensor, n: torch.Tensor) ->
 def plausibility_from_logits(logits: torch.Tensor, drafts: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """p(d_i) / max_v p(v) under softmax(logits) (the distribution a greedy row's gate reads), as
     exp(logit of d_i - logit of the argmax y_i): two gathers, no softmax over the vocabulary.
-    logits [B, K+1, V]; drafts [B, K]; y [B, K+1] (greedy_check's). Returns [B, K] on the CPU."""
+    logits [B, K+1, V]; drafts [B, K]; y [B, K+1] (the argmax). Returns [B, K] on the logits'
+    device (no host read)."""
     K = drafts.shape[1]
     at = logits[:, :K]
     own = at.gather(-1, drafts.to(at.device)[..., None]).squeeze(-1).float()
     top = at.gather(-1, y[:, :K].to(at.device)[..., None]).squeeze(-1).float()
-    return torch.exp(own - top).cpu()
+    return torch.exp(own - top)
 
 
 def plausibility_from_probs(p: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:

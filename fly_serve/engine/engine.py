@@ -21,17 +21,19 @@ their drafts made, the others draft again. Outputs are the sequential round's, t
 
 import itertools
 import logging
+import random
 import time
 from collections import deque
 from dataclasses import replace
 
 import torch
 
-from fly_serve.contracts import Drafter, Drafts, RoundResult, Row, RowGrammar, Scorer
+from fly_serve.contracts import Drafter, Drafts, RoundResult, Row, RowGrammar, RowTokens, Scorer
 from fly_serve.decision.grammar import GrammarFailed, Grammars, Matcher
 from fly_serve.decision.verify import decide, plausible_mask, window_positions
 from fly_serve.drafting.draft_ahead import Ahead, DraftAhead, Sequential, Stages, bets
 from fly_serve.drafting.drafters import LookupDrafter, PromptLookup, SourceDrafter
+from fly_serve.drafting.prompt_lookup import LookupIndexes
 from fly_serve.drafting.suffix_index import SuffixIndex
 from fly_serve.drafting.token_recycling import TokenRecycling
 from fly_serve.k_auto.allocator import RowInfo
@@ -84,6 +86,9 @@ class Request:
         self.detokenizer = IncrementalText(tokenizer)
         self.matcher: Matcher | None = None  # its grammar's state after `tokens` (structured output)
         self.drafter_seen = 0  # tokens the model drafter had when it last drafted this row
+        # The seed of its draws (sampling.py: keyed by seed and position, shared by drafter and
+        # target); a request without one gets a random one here, once
+        self.seed = params.seed if params.seed is not None else random.getrandbits(63)
 
     @property
     def generated(self) -> list[int]:
@@ -125,17 +130,22 @@ class Engine:
         # (vocab x top_k int32) are allocated on first use.
         self.suffix_index = SuffixIndex(max_tokens=suffix_max_tokens)
         self.recycler = TokenRecycling(scorer.vocab_size, top_k=recycle_top_k)
+        # Prompt lookup's index of each running row's n-grams, grown as the row grows (O(new
+        # tokens) a round, prompt_lookup.py), shared by its free drafts, the pld mode and the
+        # model drafter's MLA level in this process
+        self.lookups = LookupIndexes()
         self.drafters: dict[str, Drafter | None] = {
-            "pld": LookupDrafter(),
+            "pld": LookupDrafter(indexes=self.lookups),
             "suffix": SourceDrafter(self.suffix_index),
             "recycle": SourceDrafter(self.recycler),
             "model": drafter,
         }
         if drafter is not None:  # each drafter says what it does with them (contracts.Drafter)
-            drafter.share_sources({"suffix": self.suffix_index, "recycle": self.recycler})
+            shared = {"suffix": self.suffix_index, "recycle": self.recycler, "pld": PromptLookup(indexes=self.lookups)}
+            drafter.share_sources(shared)
         # A model row's free alternative (_free_offer) looks up at least two tokens of context: a
         # one-token match proposes mostly noise in prose, and each try costs a wider verification.
-        self.free_lookup = PromptLookup(min_n=2)
+        self.free_lookup = PromptLookup(min_n=2, indexes=self.lookups)
         self.eos_ids = set(eos_ids)
         self.grammars = Grammars(tokenizer, scorer.vocab_size, self.eos_ids)  # structured output
         # whether the model drafter drafts under a row's grammar (its drafts then legal, so a
@@ -466,8 +476,9 @@ class Engine:
     def _free_offer(self, row: Row) -> list[int]:
         """Up to row.k drafts from the row's first MLA source that proposes any (drafters.py)."""
         sources = {"pld": self.free_lookup, "suffix": self.suffix_index, "recycle": self.recycler}
+        tokens = RowTokens.of(row)
         for name in row.mla_sources:
-            got = sources[name].propose(row.tokens, row.k)
+            got = sources[name].propose(tokens, row.k)
             if got:
                 return got
         return []
@@ -485,7 +496,7 @@ class Engine:
             p.mla,
             p.temperature,
             p.top_p,
-            p.seed,
+            req.seed,
             entropy,
             rho=rho,
             row_share=self.policy.row_share(),
@@ -629,6 +640,7 @@ class Engine:
         done = [r.id for r in finished]
         self.running = [r for r in self.running if not r.finished]
         self.pipeline.forget(done)
+        self.lookups.release(done)
         for req in finished:
             if req.finish_reason != "error":  # an aborted output is still the target's text
                 self.suffix_index.add(req.tokens)

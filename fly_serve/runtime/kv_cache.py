@@ -62,14 +62,22 @@ class KVCacheFull(RuntimeError):
         super().__init__(f"KV cache full: {key!r} needs {needed} more blocks, {free} free")
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
+def common_prefix(a: list[int], b: list[int], start: int = 0) -> int:
+    """How many leading tokens a and b share, given that the first `start` are equal."""
     n = min(len(a), len(b))
-    if a[:n] == b[:n]:  # the usual case (a round appended tokens): one C-level compare
+    if start >= n:
         return n
-    i = 0
+    if a[start:n] == b[start:n]:  # the usual case (a round appended tokens): one C-level compare
+        return n
+    i = start
     while a[i] == b[i]:
         i += 1
     return i
+
+
+def final_of(tokens) -> int:
+    """The leading tokens a caller declares committed for its key (contracts.RowTokens.final)."""
+    return getattr(tokens, "final", 0)
 
 
 def budget_from_device(fraction: float, device) -> int:
@@ -122,6 +130,7 @@ class _Edit:
     released: list[int] = field(default_factory=list)  # blocks it lets go of (ref - 1)
     written: list[int] = field(default_factory=list)  # own blocks it writes into (leave the registry)
     copy_from: int | None = None  # the first fresh block starts as a copy of this one (copy-on-write)
+    held: int = 0  # the record's leading tokens equal to the row's before the plan (kept in place)
 
     @property
     def fresh(self) -> int:
@@ -139,6 +148,9 @@ class SeqRecord:
     tokens: list[int] = field(default_factory=list)
     blocks: list[int] = field(default_factory=list)
     hashes: list[bytes] = field(default_factory=list)
+    # Leading tokens known to be committed tokens of the key (a caller's RowTokens.final, up to
+    # what the record held of them): a later row of the key is compared only past them.
+    final: int = 0
 
 
 class BlockPool:
@@ -292,9 +304,15 @@ class KVCache:
 
     # ---- the content rule
     def valid(self, key: str, tokens: list[int]) -> int:
-        """How many of `tokens` the key's sequence already holds (0 for an unknown key)."""
+        """How many of `tokens` the key's sequence already holds (0 for an unknown key). Where
+        tokens declare their committed part (contracts.RowTokens.final), the tokens both know to
+        be committed are equal (a key's committed tokens never change), and only the rest is
+        compared: O(new tokens), not O(context)."""
         s = self.seq_of.get(key)
-        return 0 if s is None else common_prefix(self.seqs[s].tokens, tokens)
+        if s is None:
+            return 0
+        r = self.seqs[s]
+        return common_prefix(r.tokens, tokens, min(r.final, final_of(tokens)))
 
     @torch.inference_mode()
     def plan(
@@ -394,7 +412,7 @@ class KVCache:
             start = (lo + len(adopted)) * bs
         n_need = cdiv(len(toks), bs)
         blocks = old[:lo] + adopted
-        e = _Edit(start, blocks, hashes)
+        e = _Edit(start, blocks, hashes, held=start_cap[0])
         for i in range(len(blocks), n_need):  # the blocks written into
             b = old[i] if i < len(old) else None
             if b is not None and self.pool.ref[b] == 1 and b not in adopted:
@@ -517,7 +535,11 @@ class KVCache:
         if blocks:
             self.table[seq, : len(blocks)] = torch.tensor(blocks)
         r.blocks = blocks
-        r.tokens = toks[: e.start]  # adopted blocks hold the row's own tokens (their hash)
+        # In place, O(new): its first `held` tokens already are the row's; adopted blocks hold the
+        # row's own tokens (their hash)
+        del r.tokens[e.held :]
+        r.tokens.extend(toks[e.held : e.start])
+        r.final = min(final_of(toks), e.start)
         r.hashes = e.hashes
 
     def _drop(self, key: str):
