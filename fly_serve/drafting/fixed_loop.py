@@ -74,11 +74,12 @@ class FixedLoop:
         return out, K
 
     def _catch_up(self, keys: list[str], views: list[RowTokens]) -> int:
-        """The first step's width: each row's lag (tokens its cache lacks), at most MAX_WIDTH; the
-        rows lagging more are fed up to it now, together, in one forward without logits."""
+        """The first step's width: the rows' longest lag (tokens a cache lacks), at most MAX_WIDTH
+        and the shortest row's length; the rows lagging more are fed up to it now, together, in
+        one forward without logits."""
         cache = self.runner.cache
         lags = [len(v) - cache.valid(key, v) for key, v in zip(keys, views)]
-        width = max(1, min(max(lags), MAX_WIDTH))
+        width = max(1, min(max(lags), MAX_WIDTH, min(len(v) for v in views)))
         behind = [b for b, lag in enumerate(lags) if lag > width]
         if behind:
             heads = [views[b][: len(views[b]) - width] for b in behind]
