@@ -25,11 +25,10 @@ def entropy(p: torch.Tensor, kind: str = "topk", top_k: int = 3) -> torch.Tensor
 
 def padded(lists: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row token lists -> (tokens [B, max len] right-padded with 0, lengths [B])."""
-    n = torch.tensor([len(t) for t in lists], dtype=torch.long)
-    out = torch.zeros(len(lists), int(n.max()) if len(lists) else 0, dtype=torch.long)
-    for b, t in enumerate(lists):
-        out[b, : len(t)] = torch.tensor(t, dtype=torch.long)
-    return out, n
+    lengths = [len(t) for t in lists]
+    width = max(lengths, default=0)
+    out = torch.tensor([list(t) + [0] * (width - len(t)) for t in lists], dtype=torch.long).view(len(lists), width)
+    return out, torch.tensor(lengths, dtype=torch.long)
 
 
 def greedy_check(logits: torch.Tensor, drafts: torch.Tensor, n: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -95,6 +95,10 @@ class Request:
         return self.tokens[self.n_prompt :]
 
     @property
+    def n_generated(self) -> int:
+        return len(self.tokens) - self.n_prompt
+
+    @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
@@ -371,7 +375,7 @@ class Engine:
             result.loosely_accepted += loose
             result.emitted += committed[b]
             if loose:
-                req.stats.note_loose(len(req.generated) - committed[b], loosely[b], committed[b])
+                req.stats.note_loose(req.n_generated - committed[b], loosely[b], committed[b])
             hit, draft_hit = _at(verdict.prefix_hit_tokens, b), _at(drafts.prefix_hit_tokens, b)
             req.stats.add_prefix_hits(hit, draft_hit)
             result.prompt_tokens += req.n_prompt if req.stats.rounds == 1 else 0
@@ -431,7 +435,7 @@ class Engine:
         """The most drafts a round may give the request once n_new more tokens are committed: a
         round emits at most k + 1, never past max_tokens or the context."""
         p = req.params
-        return min(p.max_tokens - len(req.generated), self.max_model_len - len(req.tokens)) - n_new - 1
+        return min(p.max_tokens - req.n_generated, self.max_model_len - len(req.tokens)) - n_new - 1
 
     def _next_k(self, req: Request, k_now: int, n_new: int) -> int:
         """The k a row gets next round if this one commits n_new tokens (as _row computes it; a k
@@ -580,13 +584,14 @@ class Engine:
         the context, Token Recycling's "trash")."""
         if verdict.topk is None:
             return
-        fed, ids = [], []
-        for b, (row, d) in enumerate(zip(rows, drafts.tokens)):
-            fed += [row.tokens[-1], *d]
-            ids.append(verdict.topk[b, : len(d) + 1])
-        self.recycler.observe(fed, torch.cat(ids))
+        fed = [t for row, d in zip(rows, drafts.tokens) for t in (row.tokens[-1], *d)]
+        n = torch.tensor([len(d) + 1 for d in drafts.tokens])
+        verified = torch.arange(verdict.topk.shape[1])[None, :] < n[:, None]  # [B, K+1], row-major as fed
+        self.recycler.observe(fed, verdict.topk[verified])
 
     def _decide(self, batch: list[Request], drafts: Drafts, verdict):
+        if not any(drafts.tokens):  # an ar step (k 0 everywhere): nothing to decide
+            return torch.zeros(len(batch), dtype=torch.long), torch.zeros(len(batch), 0, dtype=torch.bool)
         n = torch.tensor([len(d) for d in drafts.tokens])
         theta = torch.tensor([r.params.theta if r.params.mode_spec.loose else 1.0 for r in batch])
         check, span = zip(*(window_positions(r.params.effective_window, r.params.window_rule) for r in batch))
@@ -607,7 +612,7 @@ class Engine:
     def _commit(self, req: Request, new: list[int]) -> int:
         """Append a round's tokens, applying EOS, max_tokens and stop strings; returns how many."""
         p = req.params
-        new = new[: p.max_tokens - len(req.generated)]
+        new = new[: p.max_tokens - req.n_generated]
         for i, t in enumerate(new):
             if t in self.eos_ids:
                 new, req.finish_reason = new[:i], "stop"
@@ -624,12 +629,12 @@ class Engine:
         req.stats.emitted += len(new)
         searched = len(req.text)  # text already searched for stop strings
         req.text += req.detokenizer.add(new)
-        if req.finished or len(req.generated) >= p.max_tokens:
+        if req.finished or req.n_generated >= p.max_tokens:
             req.text += req.detokenizer.flush()
         cut = find_stop(req.text, p.stop, searched)
         if cut is not None:
             req.text, req.finish_reason = req.text[:cut], "stop"
-        if not req.finished and len(req.generated) >= p.max_tokens:
+        if not req.finished and req.n_generated >= p.max_tokens:
             req.finish_reason = "length"
         return len(new)
 

@@ -124,6 +124,7 @@ class SpeculationPolicy:
         self.max_probe_every = max(max_probe_every, probe_every)
         self.probe_budget = probe_budget
         self._gap: dict[str, int] = {}
+        self._priced: dict[str, int] = {}  # the budget's gap as last priced, per idle row (_due)
         self.width_every = width_every
         self._batch_rounds = 0  # rounds of 2+ rows chosen (the width steps' clock)
         self.width_steps = 0  # rounds whose width was stepped since the start (the service's stats)
@@ -233,6 +234,7 @@ class SpeculationPolicy:
         for r, k in zip(rows, ks):
             if r.fixed or r.source == NONE or r.limit <= 0 or k > 0:
                 idle.pop(r.key, None)
+                self._priced.pop(r.key, None)
                 if k > 0 and not r.fixed:  # the plan drafts it: probes again at the shortest gap
                     self._gap.pop(r.key, None)
             else:
@@ -240,7 +242,8 @@ class SpeculationPolicy:
         due = [  # the stored gap first: the budget's price is read only for a row past it
             b
             for b, r in enumerate(rows)
-            if idle.get(r.key, 0) > self._gap.get(r.key, self.probe_every) and idle[r.key] > self._gap_of(r)
+            if idle.get(r.key, 0) > max(self._gap.get(r.key, self.probe_every), self._priced.get(r.key, 0))
+            and self._due(r)
         ]
         due.sort(key=lambda b: -idle[rows[b].key])  # stable: batch order among equals
         self._batch_quiet += batch
@@ -251,6 +254,7 @@ class SpeculationPolicy:
         k_probe = max(width, 1) if batch else self.probe_k
         for b in due:
             ks[b], idle[rows[b].key] = min(k_probe, self.probe_k, rows[b].limit), 0
+            self._priced.pop(rows[b].key, None)
             if self.frozen:  # else the probes feed the cost check too, which needs them regular
                 # the drafter has caught up once it probes: the catch-up is priced anew (_gap_of)
                 doubled = min(2 * self._gap.get(rows[b].key, self.probe_every), self.max_probe_every)
@@ -259,6 +263,14 @@ class SpeculationPolicy:
             self._batch_quiet = 0
         self.probes += len(due)
         return ks
+
+    def _due(self, row: RowInfo) -> bool:
+        """Whether a row past its stored gap is past its budget's too. The budget's gap only grows
+        while the row waits (its drafter lag grows), so it is priced again only once the row's
+        idle rounds pass the gap last priced: a round of idle rows prices none of them."""
+        gap = self._gap_of(row)
+        self._priced[row.key] = gap
+        return self._idle[row.key] > gap
 
     def _gap_of(self, row: RowInfo) -> int:
         """Rounds a row waits at k = 0 before its next probe: probe_every, doubled after each
@@ -352,4 +364,5 @@ class SpeculationPolicy:
             for k in (key, free_key(key)):
                 self._idle.pop(k, None)
                 self._gap.pop(k, None)
+                self._priced.pop(k, None)
                 self._probing.discard(k)
