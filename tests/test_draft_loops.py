@@ -27,8 +27,8 @@ def two_calls(loop: str, ks=((1, 4, 8, 5), (3, 6, 2, 5)), **row) -> tuple[list, 
     and a token of their own (a rollback and a lag of several tokens)."""
     drafter = ModelDrafter(Runner(DRAFTER, n_slots=8), loop=loop)
     first = drafter.propose([Row(f"r{i}", p, k, mla=False, **row) for i, (p, k) in enumerate(zip(PROMPTS, ks[0]))])
-    rows = [Row(f"r{i}", p + first.tokens[i][:2] + [9], k, mla=False, **row) for i, (p, k) in enumerate(zip(PROMPTS, ks[1]))]
-    second = drafter.propose(rows)
+    grown = [p + first.tokens[i][:2] + [9] for i, p in enumerate(PROMPTS)]
+    second = drafter.propose([Row(f"r{i}", p, k, mla=False, **row) for i, (p, k) in enumerate(zip(grown, ks[1]))])
     assert first.q == second.q == [None] * 4  # keyed draws: the target compares tokens, no q travels
     assert [len(d) for d in first.tokens] == list(ks[0]) or row.get("min_confidence")
     return first.tokens + second.tokens, [first.forwards, second.forwards]
@@ -85,7 +85,12 @@ AR = outputs("mla", dict(mode="ar"))
 
 @pytest.mark.parametrize(
     "params",
-    [dict(mode="spd", k=6), dict(mode="fly", k=5, theta=1.0), dict(mode="spd", k="auto"), dict(mode="spd", k=3, mla=False)],
+    [
+        dict(mode="spd", k=6),
+        dict(mode="fly", k=5, theta=1.0),
+        dict(mode="spd", k="auto"),
+        dict(mode="spd", k=3, mla=False),
+    ],
 )
 def test_an_engine_on_the_fixed_loop_equals_ar(params):
     assert outputs("fixed", params) == AR

@@ -10,7 +10,6 @@ from hypothesis import strategies as st
 from reference import fly_reference
 
 from fly_serve.build import build_engine
-from fly_serve.contracts import Row
 from fly_serve.decision.sampling import keyed_draw, probs, seed_key, speculative_row
 from fly_serve.decision.verify import (
     decide,
