@@ -111,6 +111,10 @@ class RowTokens(Sequence):
             raise IndexError("RowTokens index out of range")
         return self.base[i] if i < nb else self.extra[i - nb]
 
+    def __add__(self, more) -> "RowTokens":
+        """These tokens followed by more: a view again (its committed part unchanged)."""
+        return RowTokens(self.base, [*self.extra, *more], self.final, self.key)
+
     def __eq__(self, other) -> bool:
         return isinstance(other, Sequence) and len(other) == len(self) and all(a == b for a, b in zip(self, other))
 

@@ -27,6 +27,8 @@ def padded(lists: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row token lists -> (tokens [B, max len] right-padded with 0, lengths [B])."""
     lengths = [len(t) for t in lists]
     width = max(lengths, default=0)
+    if width == 0:  # an ar step
+        return torch.zeros(len(lists), 0, dtype=torch.long), torch.zeros(len(lists), dtype=torch.long)
     out = torch.tensor([list(t) + [0] * (width - len(t)) for t in lists], dtype=torch.long).view(len(lists), width)
     return out, torch.tensor(lengths, dtype=torch.long)
 

@@ -87,33 +87,37 @@ class FixedLoop:
         return width
 
     def _steps(self, rows, views, ks, K, seqs, next_start, logits, floors):
-        """The K steps on the device: drafts [B, K] and each row's count [B], no host read."""
+        """The K steps on the device: drafts [B, K] and each row's count [B], no host read. Without
+        a confidence floor a row's count is its k (host-known): only the tokens are computed."""
         runner, V = self.runner, self.vocab_size
         dev = logits.device
-        B = len(rows)
         sampled = [b for b, r in enumerate(rows) if r.sampled]
         keys = self.keys.tensor([rows[b] for b in sampled], 1, dev) if sampled else None
-        first = torch.tensor([r.start + len(v) for r, v in zip(rows, views)], dtype=torch.long)  # draft 0's position
-        active = (torch.arange(K)[None, :] < torch.tensor(ks)[:, None]).to(dev)  # [B, K]: j < k_b
-        floor = torch.tensor(floors, dtype=torch.float32, device=dev)
+        # the sampled rows' draft 0's position
+        first = torch.tensor([rows[b].start + len(views[b]) for b in sampled]).to(dev) if sampled else None
         judge = any(f > 0 for f in floors)
-        drafts = torch.zeros(B, K, dtype=torch.long, device=dev)
-        count = torch.zeros(B, dtype=torch.long, device=dev)
-        alive = torch.ones(B, dtype=torch.bool, device=dev)
+        if judge:
+            active = (torch.arange(K)[None, :] < torch.tensor(ks)[:, None]).to(dev)  # [B, K]: j < k_b
+            floor = torch.tensor(floors, dtype=torch.float32, device=dev)
+            count = torch.zeros(len(rows), dtype=torch.long, device=dev)
+            alive = torch.ones(len(rows), dtype=torch.bool, device=dev)
+        tokens = []
         for j in range(K):
             x = logits[:, 0, :V]  # [B, V]: predicts each row's draft j
             tok = x.argmax(-1)
             if sampled:
                 p = probs_rows(x[sampled][:, None], [rows[b] for b in sampled])[:, 0]
-                tok[sampled] = keyed_draw(p, keys, first[sampled].to(dev) + j)
-            live = alive & active[:, j]
-            drafts[:, j] = tok
-            count += live
+                tok[sampled] = keyed_draw(p, keys, first + j)
+            tokens.append(tok)
             if judge:  # drafters.stopping: the judged rows stop together when unsure
+                live = alive & active[:, j]
+                count += live
                 conf = torch.softmax(x.float(), -1).amax(-1)
                 judged = live & (floor > 0)
                 unsure = (conf * judged).sum() < (floor * judged).sum()
                 alive = alive & ~(judged & unsure)
             if j + 1 < K:
                 logits = runner.forward(seqs, next_start + j, tok[:, None], "all")
-        return drafts, count
+        if not judge:
+            count = torch.tensor(ks, device=dev)
+        return torch.stack(tokens, 1), count

@@ -584,6 +584,9 @@ class Engine:
         the context, Token Recycling's "trash")."""
         if verdict.topk is None:
             return
+        if not any(drafts.tokens):  # an ar step: one position a row
+            self.recycler.observe([row.tokens[-1] for row in rows], verdict.topk[:, 0])
+            return
         fed = [t for row, d in zip(rows, drafts.tokens) for t in (row.tokens[-1], *d)]
         n = torch.tensor([len(d) + 1 for d in drafts.tokens])
         verified = torch.arange(verdict.topk.shape[1])[None, :] < n[:, None]  # [B, K+1], row-major as fed

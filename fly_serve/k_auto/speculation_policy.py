@@ -49,6 +49,7 @@ forwards, about twice an ar round, for one row's measurement.)
 
 import logging
 import math
+from collections import OrderedDict
 from dataclasses import dataclass, replace
 
 from .acceptance import AcceptanceTracker
@@ -60,6 +61,7 @@ log = logging.getLogger("fly_serve.k_auto.speculation_policy")
 
 
 FREE = "\x00free"
+PLANS_KEPT = 8  # recent plans remembered by their inputs (SpeculationPolicy._plan)
 
 
 @dataclass
@@ -125,6 +127,7 @@ class SpeculationPolicy:
         self.probe_budget = probe_budget
         self._gap: dict[str, int] = {}
         self._priced: dict[str, int] = {}  # the budget's gap as last priced, per idle row (_due)
+        self._plans: OrderedDict = OrderedDict()  # recent plans by their inputs (_plan)
         self.width_every = width_every
         self._batch_rounds = 0  # rounds of 2+ rows chosen (the width steps' clock)
         self.width_steps = 0  # rounds whose width was stepped since the start (the service's stats)
@@ -184,17 +187,36 @@ class SpeculationPolicy:
         every one free, and free only the rows the model plan leaves at k = 0; the best rate wins.
         A free row's acceptance is tracked apart from its model drafts (free_key)."""
         free = [False] * len(rows)
-        best = plan(rows, cost, overlap=self.overlap)
+        best = self._plan(rows, cost)
         if not any(r.free_k > 0 and not r.fixed for r in rows):
             return best, rows, free
         chosen, model_ks = rows, best.ks
         for only_idle in (False, True):
             use = [r.free_k > 0 and not r.fixed and (not only_idle or model_ks[b] == 0) for b, r in enumerate(rows)]
             alt = [self._as_free(r) if u else r for r, u in zip(rows, use)]
-            p = plan(alt, cost, overlap=self.overlap)
+            p = self._plan(alt, cost)
             if p.rate > best.rate * (1 + 1e-9):
                 best, chosen, free = p, alt, use
         return best, chosen, free
+
+    def _plan(self, rows: list[RowInfo], cost: RoundCostModel) -> Plan:
+        """allocator.plan, remembered for the last few inputs: a round whose rows, acceptances
+        and cost model are those of a recent one (a batch of rows left at k = 0, whose estimates
+        sit at the prior) gets the same plan without computing it again. Exact: the key is every
+        input plan reads."""
+        key = (
+            cost,
+            self.overlap,
+            tuple((r.limit, r.source, r.acceptance, r.tokens_per_forward, r.fixed) for r in rows),
+        )
+        got = self._plans.get(key)
+        if got is None:
+            got = self._plans[key] = plan(rows, cost, overlap=self.overlap)
+            if len(self._plans) > PLANS_KEPT:
+                self._plans.popitem(last=False)
+        else:
+            self._plans.move_to_end(key)
+        return got
 
     def _as_free(self, r: RowInfo) -> RowInfo:
         key = free_key(r.key)

@@ -50,20 +50,23 @@ class ModelScorer:
         K = drafted.shape[1]
         d = drafted.to(dev)
         y = logits.argmax(-1)  # [B, K+1]: greedy rows' tokens; sampled rows' are drawn below
-        support = self._grammar_support(logits, d, drafts.masks)
+        keyed = [b for b, r in enumerate(rows) if r.sampled and self.sample and drafts.q[b] is None]
+        # support: None where nothing can refuse a draft (no grammar, no sampled row: all True)
+        support = self._grammar_support(logits, d, drafts.masks, always=bool(keyed))
         # The plausibility guard's ratio p(d) / max p, only in a round where some row has a guard
         # (the engine applies each row's rho); sampled rows' from their processed distribution.
-        ratio = plausibility_from_logits(logits, d, y) if any(r.rho > 0 for r in rows) else None
-        h = torch.zeros(drafted.shape, device=dev) if any(r.entropy for r in rows) else None
-        greedy_loose = [b for b, r in enumerate(rows) if r.entropy and not r.sampled]
+        ratio = plausibility_from_logits(logits, d, y) if K and any(r.rho > 0 for r in rows) else None
+        h = torch.zeros(drafted.shape, device=dev) if K and any(r.entropy for r in rows) else None
+        greedy_loose = [b for b, r in enumerate(rows) if r.entropy and not r.sampled] if h is not None else []
         for kind in {rows[b].entropy for b in greedy_loose}:
             idx = [b for b in greedy_loose if rows[b].entropy == kind]
             h[idx] = entropy(torch.softmax(logits[idx, :-1].float(), -1), kind)
-        keyed = [b for b, r in enumerate(rows) if r.sampled and self.sample and drafts.q[b] is None]
         if keyed:
             self._draw_keyed([rows[b] for b in keyed], keyed, logits, d, y, support, ratio, h)
-        ok = (d == y[:, :K]) & (torch.arange(K, device=dev)[None, :] < n.to(dev)[:, None])  # [B, K]
-        ok, y, h, support, top, ratio = to_host(ok, y, h, support, top, ratio)  # the round's one read
+        y, h, support, top, ratio = to_host(y, h, support, top, ratio)  # the round's one read
+        ok = (drafted == y[:, :K]) & (torch.arange(K)[None, :] < n[:, None])  # [B, K], on the host
+        if support is None:
+            support = torch.ones(drafted.shape, dtype=torch.bool)
         for b, r in enumerate(rows):  # a drafter's own q: speculative sampling (sampling.py)
             if r.sampled and self.sample and drafts.q[b] is not None:
                 self._speculative_row(r, b, logits, drafted, int(n[b]), drafts.q[b], ok, y, support, ratio, h)
@@ -104,12 +107,12 @@ class ModelScorer:
             h[b, :n] = entropy(p[:-1], r.entropy).cpu()
 
     @staticmethod
-    def _grammar_support(logits: torch.Tensor, drafted: torch.Tensor, masks) -> torch.Tensor:
+    def _grammar_support(logits: torch.Tensor, drafted: torch.Tensor, masks, always: bool) -> torch.Tensor | None:
         """[B, K] on the logits' device: False where a row's grammar refuses its draft (never
         loosely accepted), read off the masked logits (apply_masks already put -inf there); all
-        True without a grammar."""
+        True without a grammar (None unless `always`: the caller makes it on the host)."""
         if not any(m is not None for m in masks or []):
-            return torch.ones(drafted.shape, dtype=torch.bool, device=logits.device)
+            return torch.ones(drafted.shape, dtype=torch.bool, device=logits.device) if always else None
         at = logits[:, : drafted.shape[1]].gather(-1, drafted[..., None]).squeeze(-1)
         return at > float("-inf")
 
