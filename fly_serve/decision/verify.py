@@ -89,6 +89,9 @@ def decide(ok, h, n, theta, check, span=None, support=None, plausible=None):
     """
     B, K = ok.shape
     i = torch.arange(K)[None, :]
+    if h is None or not bool((theta < 1).any()):  # every row strict: the first rejection ends it
+        stop = torch.cat([~ok | (i >= n[:, None]), torch.ones(B, 1, dtype=torch.bool)], dim=1)
+        return stop.int().argmax(1), torch.zeros_like(ok)
     span = check if span is None else span
     # Mismatches in (i, i + check]: a prefix sum, so every position is checked at once.
     miss = torch.cat([torch.zeros(B, 1, dtype=torch.long), (~ok).long().cumsum(1)], dim=1)

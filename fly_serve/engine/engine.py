@@ -605,9 +605,10 @@ class Engine:
     def _plausible(batch: list[Request], verdict) -> torch.Tensor | None:
         """The plausibility guard [B, K] of rows with rho > 0 (None: no row has one). A scorer
         that reports no ratio leaves those rows strict: a guard asked for is never skipped."""
-        rho = torch.tensor([float(r.params.rho) if r.params.mode_spec.loose else 0.0 for r in batch])
-        if not (rho > 0).any():
+        rho = [float(r.params.rho) if r.params.mode_spec.loose else 0.0 for r in batch]
+        if not any(rho):
             return None
+        rho = torch.tensor(rho)
         if verdict.plausibility is None:
             return (rho == 0)[:, None].expand_as(verdict.ok)
         return plausible_mask(verdict.plausibility, rho)
