@@ -327,8 +327,15 @@ class SpeculationPolicy:
         model = [kind == MODEL for kind in t.kinds]
         per_row = t.row_forwards if t.row_forwards is not None else [None] * len(t.keys)
         now = [not a for a in t.ahead] if t.ahead is not None else [True] * len(t.keys)
-        self.tracker.observe_round(t.keys, t.drafted, t.kept, [f if m else None for f, m in zip(per_row, model)])
-        for key in t.keys:  # a model row's other source ages too, so that one bad round is not forever
+        drafting = [b for b, kind in enumerate(t.kinds) if kind != NONE]  # a plain row has nothing to learn
+        self.tracker.observe_round(
+            [t.keys[b] for b in drafting],
+            [t.drafted[b] for b in drafting],
+            [t.kept[b] for b in drafting],
+            [per_row[b] if model[b] else None for b in drafting],
+        )
+        for b in drafting:  # a model row's other source ages too, so that one bad round is not forever
+            key = t.keys[b]
             self.tracker.age(key[: -len(FREE)] if key.endswith(FREE) else free_key(key))
         rows_in_forwards = sum(
             (f if f is not None else min(t.forwards, math.ceil(n / self.tracker.tokens_per_forward(key) - 1e-9)))
