@@ -78,10 +78,14 @@ class RowTokens(Sequence):
     part it already holds of them (kv_cache.KVCache.valid), and prompt lookup keeps an index of
     them by `key` (prompt_lookup.LookupIndexes). A slice is a list; `base` is never changed here."""
 
-    __slots__ = ("base", "extra", "final", "key")
+    __slots__ = ("base", "extra", "final", "key", "_nb", "_n")
 
     def __init__(self, base: list[int], extra: list[int] = (), final: int = 0, key: str | None = None):
-        self.base, self.extra, self.final, self.key = base, extra, max(0, min(final, len(base))), key
+        self.base, self.extra, self.key = base, extra, key
+        # a view lives for one call: its base does not grow meanwhile, so the lengths are kept
+        self._nb = len(base)
+        self._n = self._nb + len(extra)
+        self.final = max(0, min(final, self._nb))
 
     @classmethod
     def of(cls, row: "Row", extra: list[int] = ()) -> "RowTokens":
@@ -89,25 +93,25 @@ class RowTokens(Sequence):
         return cls(row.tokens, extra, len(row.tokens) - row.guessed, row.key)
 
     def __len__(self) -> int:
-        return len(self.base) + len(self.extra)
+        return self._n
 
     def __iter__(self):
         return chain(self.base, self.extra)
 
     def __getitem__(self, i):
-        nb = len(self.base)
+        nb = self._nb
         if isinstance(i, slice):
-            start, stop, step = i.indices(len(self))
+            start, stop, step = i.indices(self._n)
             if step != 1:
                 return list(self)[i]
             if stop <= nb:
                 return self.base[start:stop]
             if start >= nb:
                 return list(self.extra[start - nb : stop - nb])
-            return self.base[start:] + list(self.extra[: stop - nb])
+            return self.base[start:nb] + list(self.extra[: stop - nb])
         if i < 0:
-            i += len(self)
-        if not 0 <= i < len(self):
+            i += self._n
+        if not 0 <= i < self._n:
             raise IndexError("RowTokens index out of range")
         return self.base[i] if i < nb else self.extra[i - nb]
 

@@ -210,15 +210,15 @@ class ModelDrafter:
     def propose(self, rows: list[Row]) -> Drafts:
         cache = self.runner.cache
         views = [RowTokens.of(r) for r in rows]
-        for r, v in zip(rows, views):
-            warm = cache.valid(r.key, v) > 0
-            self.hits += warm
-            self.misses += not warm
+        held = [cache.valid(r.key, v) for r, v in zip(rows, views)]  # each row's tokens its cache holds
+        warm = sum(h > 0 for h in held)
+        self.hits += warm
+        self.misses += len(rows) - warm
         matchers = []
         try:
             for r in rows:  # inside the try: a failure at row j leaves rows < j pushed otherwise
                 matchers.append(self.matchers.at(r) if self.matchers else None)
-            rows, guesses, drafts, forwards, row_forwards = self._draft(rows, views, matchers)
+            rows, guesses, drafts, forwards, row_forwards = self._draft(rows, views, held, matchers)
         finally:  # each matcher back at its row's committed tokens
             for m in matchers:
                 if m is not None:
@@ -226,7 +226,7 @@ class ModelDrafter:
         hits = self.runner.cache.take_hits([r.key for r in rows])  # prefill the prefix cache saved
         return Drafts(drafts, [None] * len(rows), forwards, row_forwards, guesses=guesses, prefix_hit_tokens=hits)
 
-    def _draft(self, rows: list[Row], views: list[RowTokens], matchers: list[Matcher | None]):
+    def _draft(self, rows: list[Row], views: list[RowTokens], held: list[int], matchers: list[Matcher | None]):
         """The drafting forwards of a call: (rows, guesses, drafts, forwards, row_forwards). The
         fixed-shape loop takes the rows it can (unconstrained, not peeking), the MLA loop the rest."""
         drafts = [[] for _ in rows]
@@ -236,7 +236,8 @@ class ModelDrafter:
         if self.fixed is not None:
             fixed = [b for b, (r, m) in enumerate(zip(rows, matchers)) if r.k > 0 and m is None and not r.peek]
         if fixed:
-            got, forwards = self.fixed.draft([rows[b] for b in fixed], [views[b] for b in fixed], self._floors)
+            sub = [rows[b] for b in fixed]
+            got, forwards = self.fixed.draft(sub, [views[b] for b in fixed], [held[b] for b in fixed], self._floors)
             self.forwards += forwards
             for b, d in zip(fixed, got):
                 drafts[b], row_forwards[b] = d, len(d)

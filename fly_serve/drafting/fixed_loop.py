@@ -50,13 +50,14 @@ class FixedLoop:
         return callable(getattr(runner, "forward", None)) and hasattr(getattr(runner, "cache", None), "wrote")
 
     @torch.inference_mode()
-    def draft(self, rows: list[Row], views: list[RowTokens], floors) -> tuple[list[list[int]], int]:
+    def draft(self, rows: list[Row], views: list[RowTokens], held: list[int], floors) -> tuple[list[list[int]], int]:
         """Each row's drafts (up to its k) and the drafter forwards taken. rows: k >= 1 each;
-        views: their tokens (RowTokens); floors(rows): each row's confidence floor."""
+        views: their tokens (RowTokens); held: the tokens each row's cache holds of them
+        (KVCache.valid); floors(rows): each row's confidence floor."""
         runner, cache = self.runner, self.runner.cache
         B, ks, keys = len(rows), [r.k for r in rows], [r.key for r in rows]
         K = max(ks)
-        width = self._catch_up(keys, views)
+        width = self._catch_up(keys, views, held)
         # Blocks for each row's tokens and k - 1 fed drafts (placeholders: plan compares and
         # hashes only the tokens before the limit, which are the row's own)
         reserve = [RowTokens(v.base, list(v.extra) + [0] * (k - 1), v.final) for v, k in zip(views, ks)]
@@ -73,12 +74,11 @@ class FixedLoop:
             cache.wrote(s, views[b][start:] + out[b][:-1])
         return out, K
 
-    def _catch_up(self, keys: list[str], views: list[RowTokens]) -> int:
+    def _catch_up(self, keys: list[str], views: list[RowTokens], held: list[int]) -> int:
         """The first step's width: the rows' longest lag (tokens a cache lacks), at most MAX_WIDTH
         and the shortest row's length; the rows lagging more are fed up to it now, together, in
         one forward without logits."""
-        cache = self.runner.cache
-        lags = [len(v) - cache.valid(key, v) for key, v in zip(keys, views)]
+        lags = [len(v) - h for v, h in zip(views, held)]
         width = max(1, min(max(lags), MAX_WIDTH, min(len(v) for v in views)))
         behind = [b for b, lag in enumerate(lags) if lag > width]
         if behind:

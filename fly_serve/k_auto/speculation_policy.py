@@ -62,6 +62,7 @@ log = logging.getLogger("fly_serve.k_auto.speculation_policy")
 
 FREE = "\x00free"
 PLANS_KEPT = 8  # recent plans remembered by their inputs (SpeculationPolicy._plan)
+ESTIMATE_DIGITS = 2  # a tracked acceptance or tokens per forward as the plan reads it (choose)
 
 
 @dataclass
@@ -168,11 +169,14 @@ class SpeculationPolicy:
         """Every row's k for this round; a row's unset acceptance and tokens per forward come from
         its own earlier rounds."""
         tracker = self.tracker
+        # A tracked estimate is a decayed count of a few drafts: planned at two decimals, so that a
+        # round whose rows only aged (k 0 rows drifting back to the prior) is one the plan has seen
+        # (_plan remembers plans by their inputs).
         rows = [
             replace(
                 r,
-                acceptance=tracker.estimate(r.key) if r.acceptance is None else r.acceptance,
-                tokens_per_forward=r.tokens_per_forward or tracker.tokens_per_forward(r.key),
+                acceptance=round(tracker.estimate(r.key), ESTIMATE_DIGITS) if r.acceptance is None else r.acceptance,
+                tokens_per_forward=r.tokens_per_forward or round(tracker.tokens_per_forward(r.key), ESTIMATE_DIGITS),
             )
             for r in rows
         ]
@@ -220,7 +224,7 @@ class SpeculationPolicy:
 
     def _as_free(self, r: RowInfo) -> RowInfo:
         key = free_key(r.key)
-        return RowInfo(key, r.free_k, PLD, self.tracker.estimate(key), 1.0, fixed=False)
+        return RowInfo(key, r.free_k, PLD, round(self.tracker.estimate(key), ESTIMATE_DIGITS), 1.0, fixed=False)
 
     def cost_for(self, n_rows: int) -> RoundCostModel:
         """The model a round of n_rows is planned from: the frozen one for a row alone, UnderLoad's
