@@ -93,6 +93,7 @@ def drafter_for(model, config: EngineConfig, vocab_size: int) -> ModelDrafter:
         runner_for(model, config, config.drafter_budget),
         min_confidence=config.draft_min_confidence,
         vocab_size=vocab_size,
+        loop=config.draft_loop,
     )
 
 

@@ -86,6 +86,11 @@ class EngineConfig:
     # fall, at a speed cost measured in docs/benchmarks.md. Process-wide; the torch runtime's
     # exactness is fp32's (docs/tuning.md).
     reproducible: bool = False
+    # The model drafter's loop (drafters.draft_loop): "mla" (prompt lookup proposals checked in
+    # every forward: a CPU's, where a forward costs far more than the host's work), "fixed"
+    # (fixed_loop.py: one-token steps on static shapes, no host read inside: a GPU's, the steps
+    # replayed from CUDA graphs), "auto" (fixed on CUDA, mla elsewhere)
+    draft_loop: str = "auto"
     # The models' runtime (loading.resolve_runtime): "auto" runs a model that ships as GGUF on
     # llama.cpp's CPU kernels as shipped (llama_runner.py) and everything else on torch (GPUs, TP,
     # checkpoints, tiny test models); "torch" or "llama.cpp" to choose.

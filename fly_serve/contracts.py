@@ -7,7 +7,9 @@ older state) rebuilds what it needs (kv_cache.KVCache.plan). A new drafter
 (a remote one, a datastore, an EAGLE head) is one class that satisfies `Drafter`.
 """
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Protocol
 
 import torch
@@ -88,6 +90,64 @@ class Row:
     @property
     def sampled(self) -> bool:
         return self.temperature > 0
+
+
+class RowTokens(Sequence):
+    """A row's tokens followed by more (its drafts), without copying either: what a part feeds
+    its runner, so that a round's host work does not grow with the context. `final`: how many
+    leading tokens are committed for the row's key, which never change for that key (a
+    request's committed tokens only grow); the torch KV cache then compares a row only past the
+    part it already holds of them (kv_cache.KVCache.valid), and prompt lookup keeps an index of
+    them by `key` (prompt_lookup.LookupIndexes). A slice is a list; `base` is never changed here."""
+
+    __slots__ = ("base", "extra", "final", "key", "_nb", "_n")
+
+    def __init__(self, base: list[int], extra: list[int] = (), final: int = 0, key: str | None = None):
+        self.base, self.extra, self.key = base, extra, key
+        # a view lives for one call: its base does not grow meanwhile, so the lengths are kept
+        self._nb = len(base)
+        self._n = self._nb + len(extra)
+        self.final = max(0, min(final, self._nb))
+
+    @classmethod
+    def of(cls, row: "Row", extra: list[int] = ()) -> "RowTokens":
+        """A row's tokens (its committed part final) followed by extra."""
+        return cls(row.tokens, extra, len(row.tokens) - row.guessed, row.key)
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __iter__(self):
+        return chain(self.base, self.extra)
+
+    def __getitem__(self, i):
+        nb = self._nb
+        if isinstance(i, slice):
+            start, stop, step = i.indices(self._n)
+            if step != 1:
+                return list(self)[i]
+            if stop <= nb:
+                return self.base[start:stop]
+            if start >= nb:
+                return list(self.extra[start - nb : stop - nb])
+            return self.base[start:nb] + list(self.extra[: stop - nb])
+        if i < 0:
+            i += self._n
+        if not 0 <= i < self._n:
+            raise IndexError("RowTokens index out of range")
+        return self.base[i] if i < nb else self.extra[i - nb]
+
+    def __add__(self, more) -> "RowTokens":
+        """These tokens followed by more: a view again (its committed part unchanged)."""
+        return RowTokens(self.base, [*self.extra, *more], self.final, self.key)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Sequence) and len(other) == len(self) and all(a == b for a, b in zip(self, other))
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        return f"RowTokens({len(self.base)} + {list(self.extra)}, final={self.final})"
 
 
 @dataclass

@@ -216,11 +216,35 @@ def test_a_rejection_inside_a_drafter_token_and_a_token_it_lacks():
         assert [r.generated for r in reqs] == AR
 
 
+def test_a_tli_draw_is_the_draw_the_target_makes_with_the_same_distribution():
+    """Coupling: a distribution laid out over the drafter's vocabulary, drawn with the token keys
+    of the target ids its columns stand for (sampling.token_keys), gives the token the target's
+    keyed draw gives from the same distribution over its own ids, position by position; with the
+    drafter's own keys it agrees only by chance."""
+    from fly_serve.decision.sampling import keyed_draw, token_keys
+
+    torch.manual_seed(0)
+    vt, vd, n = 50, 80, 400
+    to_target = torch.full((vd,), -1, dtype=torch.long)
+    shared = torch.randperm(vd)[:40]
+    to_target[shared] = torch.randperm(vt)[:40]
+    pd = torch.rand(n, vd) * (to_target >= 0)  # [n, Vd]: zero off the shared tokens (TLI's mask)
+    pt = torch.zeros(n, vt)
+    pt[:, to_target[shared]] = pd[:, shared]  # the same distribution over the target's ids
+    keys, positions = torch.full((n,), 1234, dtype=torch.long), torch.arange(n) + 7
+    on_target = keyed_draw(pt, keys, positions)
+    coupled = to_target[keyed_draw(pd, keys, positions, token_keys(to_target.clamp(min=0)))]
+    assert torch.equal(coupled, on_target)
+    uncoupled = to_target[keyed_draw(pd, keys, positions)]
+    assert (uncoupled == on_target).float().mean() < 0.5
+
+
 def test_sampling_through_tli_keeps_the_targets_distribution():
-    """At T > 0 (TLI: q zero off the shared tokens), the first two tokens emitted are distributed
-    as the target's own: a chi-square test of their frequencies over many seeds against the
-    target's exact distribution. A negative control (q limited to the shared tokens and not
-    renormalised, so the p/q test accepts drafts too often) must fail the same test."""
+    """At T > 0 (TLI: drafts among the shared tokens, drawn with the target's numbers), the first
+    two tokens emitted are distributed as the target's own: a chi-square test of their
+    frequencies over many seeds against the target's exact distribution. A negative control (the
+    drafts shipped with a q that is not their distribution, a thousandth at the draft, so that the
+    p/q test accepts nearly every draft and the text follows the drafter) must fail the same test."""
     temperature, n, prompt = 0.7, 1200, TOK.encode("def f(x):")
     with torch.no_grad():
         p1 = torch.softmax(TARGET(torch.tensor([prompt])).logits[0, -1] / temperature, -1)  # [V]
@@ -241,13 +265,17 @@ def test_sampling_through_tli_keeps_the_targets_distribution():
     assert chi_square_p(firsts, p1) > 1e-3 and chi_square_p(seconds, joint_second) > 1e-3
     assert eng.drafters["model"].drafted["tli"] > 0 and eng.drafters["model"].drafted["string"] == 0
 
-    class Unnormalised:  # q limited to the shared tokens but not renormalised: not lossless
+    class Unnormalised:  # a q that is not the drafts' distribution: the p/q test is not lossless then
         def __init__(self, inner):
             self.inner, self.runner, self.kv_capacity_tokens = inner, inner.runner, inner.kv_capacity_tokens
 
         def propose(self, rows):
             got = self.inner.propose(rows)
-            got.q = [None if q is None else q.to_dense() * 0.5 for q in got.q]
+            for b, drafted in enumerate(got.tokens):
+                if drafted:
+                    q = torch.zeros(len(drafted), len(p1))
+                    q[torch.arange(len(drafted)), torch.tensor(drafted)] = 1e-3
+                    got.q[b] = q
             return got
 
         def release(self, keys):

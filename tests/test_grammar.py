@@ -411,12 +411,10 @@ def test_the_model_drafter_drafts_only_what_the_grammar_allows():
     model = {r.id for r, p in zip(reqs, params) if p["mode"] != "pld"}
     drafted = [(d, m) for key, d, m, _, _ in seen if key in model and d]
     assert len(drafted) > 10 and all(all_legal(d, m) for d, m in drafted)
-    # a sampled draft's q is the masked distribution it was drawn from: nothing outside the grammar
-    sampled = [(d, m, q.to_dense()) for key, d, m, _, q in seen if q is not None and d]
-    assert sampled
-    for d, m, q in sampled:
-        allowed = unpack(m, 259)[: len(d)]
-        assert not (q > 0)[~allowed].any() and all(q[i, t] > 0 for i, t in enumerate(d))
+    # sampled drafts are keyed draws from the masked distribution (no q travels): legal too
+    sampled = {r.id for r, p in zip(reqs, params) if p.get("temperature")}
+    assert all(q is None for key, _, _, _, q in seen)
+    assert sum(1 for key, d, _, _, _ in seen if key in sampled and d) > 5
     assert [r.stats.grammar_cut for r in reqs if r.id in model] == [0, 0, 0, 0]
     assert reqs[-1].stats.grammar_cut > 0  # the counter counts: prompt lookup's proposals are cut
     # without MLA a forward drafts one token, but forced ones (keys, quotes) ride along

@@ -10,8 +10,7 @@ from hypothesis import strategies as st
 from reference import fly_reference
 
 from fly_serve.build import build_engine
-from fly_serve.contracts import Row
-from fly_serve.decision.sampling import Generators, keyed_row, probs, speculative_row
+from fly_serve.decision.sampling import keyed_draw, probs, seed_key, speculative_row
 from fly_serve.decision.verify import (
     decide,
     entropy,
@@ -304,23 +303,48 @@ def test_speculative_sampling_is_lossless():
     assert (counts / N - p).abs().max() < 0.015
 
 
-def test_keyed_sampling_of_deterministic_drafts_is_lossless_and_draft_free():
-    """A one-hot proposal verified by position-keyed draws: the token emitted at a position is
-    distributed as p whatever the draft, and for one seed it is the same token whatever the draft
-    (what makes a seeded request repeat however the drafts change)."""
+def signed(key: int) -> int:
+    return key - 2**64 if key >= 2**63 else key
+
+
+def test_keyed_draws_are_distributed_as_p_and_independent_of_the_draft():
+    """The keyed draw at a position (a hash of seed, position and token id: sampling.keyed_draw)
+    is distributed as p over seeds; a draft is accepted iff it equals the draw, so the emitted
+    token is the draw whatever the draft was (what makes a seeded request repeat in every mode)."""
     V, N = 5, 20000
-    p = probs(torch.tensor([[1.0, 0.2, -1.0, 0.5, 0.0], [0.0] * 5]), 1.0)
+    p = probs(torch.tensor([1.0, 0.2, -1.0, 0.5, 0.0]), 1.0)
+    keys = torch.tensor([signed(seed_key(seed)) for seed in range(N)])
+    drawn = keyed_draw(p.expand(N, V), keys, torch.full((N,), 2))
+    assert (torch.bincount(drawn, minlength=V) / N - p).abs().max() < 0.015
+    emitted = [[d if d == int(drawn[s]) else int(drawn[s]) for d in range(V)] for s in range(50)]
+    assert all(len(set(e)) == 1 for e in emitted)
+    # positions and seeds give unrelated numbers; the same key and position the same draw
+    at3 = keyed_draw(p.expand(N, V), keys, torch.full((N,), 3))
+    assert 0.2 < float((at3 == drawn).float().mean()) < 0.45  # sum p^2 = 0.32 for independent draws
+    assert torch.equal(drawn, keyed_draw(p.expand(N, V), keys, torch.full((N,), 2)))
 
-    def emitted(seed: int, draft: int) -> int:
-        gens, row = Generators(salt=2), Row(key="r", tokens=[1, 2], temperature=1.0, seed=seed)
-        ok, y = keyed_row(p, torch.tensor([draft]), 1, lambda i: gens.at(row, 2 + i))
-        return draft if ok[0] else int(y[0])
 
-    counts = torch.zeros(V)
-    for seed in range(N):
-        counts[emitted(seed, seed % V)] += 1
-    assert (counts / N - p[0]).abs().max() < 0.015
-    assert all(len({emitted(seed, d) for d in range(V)}) == 1 for seed in range(50))
+def test_keyed_draws_are_chunked_without_changing_them(monkeypatch):
+    from fly_serve.decision import sampling
+
+    g = torch.Generator().manual_seed(0)
+    p = torch.softmax(torch.randn(40, 300, generator=g), -1)
+    keys, pos = torch.randint(-(2**62), 2**62, (40,), generator=g), torch.arange(40) * 7
+    whole = keyed_draw(p, keys, pos)
+    monkeypatch.setitem(sampling.CHUNK, "cpu", 600)  # two rows a chunk
+    assert torch.equal(keyed_draw(p, keys, pos), whole)
+
+
+def test_coupled_drafts_are_accepted_between_the_coupling_bounds():
+    """A draft drawn from q with the target's own numbers is accepted with probability between
+    (1 - TV) / (1 + TV) and 1 - TV (speculative sampling's p/q test: 1 - TV)."""
+    V, N = 6, 20000
+    p = probs(torch.tensor([1.0, 0.2, -1.0, 0.5, 0.0, 0.3]), 1.0)
+    q = probs(torch.tensor([0.6, 0.5, -0.5, 0.2, 0.1, 0.9]), 1.0)
+    tv = float((p - q).abs().sum() / 2)
+    keys, pos = torch.tensor([signed(seed_key(s)) for s in range(N)]), torch.full((N,), 9)
+    accepted = float((keyed_draw(p.expand(N, V), keys, pos) == keyed_draw(q.expand(N, V), keys, pos)).float().mean())
+    assert (1 - tv) / (1 + tv) - 0.01 < accepted < 1 - tv + 0.01
 
 
 def test_top_p():

@@ -90,6 +90,9 @@ class AppArgs(BaseModel):
     # llama.cpp's kernels chosen so that a position's logits do not depend on the forward's shape:
     # one text per greedy request however rounds and batches fall (fly_serve/runtime/llama_runner.py)
     reproducible: bool = False
+    # the model drafter's loop (fly_serve/drafting/drafters.py draft_loop): auto runs the
+    # fixed-shape loop on a GPU (fixed_loop.py) and the MLA loop on a CPU
+    draft_loop: Literal["auto", "mla", "fixed"] = "auto"
     # Staying up (deployments/README.md, "Serving that stays up"):
     max_waiting: int = Field(DEFAULT_MAX_WAITING, ge=0)  # admitted beyond max_batch; past that, 503
     # one call from the ingress to the target or to a drafter replica (then it is cancelled)

@@ -256,6 +256,8 @@ def apply_masks(logits: torch.Tensor, masks: list[torch.Tensor | None] | None) -
     """In place: -inf at every token a row's grammar refuses, at the positions its bitmask covers
     (logits [B, K+1, V]; masks per row [m, W] for positions 0..m-1, None: unconstrained). Every
     later read (argmax, sampling, entropy, support) then sees the masked distribution."""
+    if masks is None:
+        return
     with torch.inference_mode():  # the runner's logits are inference tensors
         for b, mask in enumerate(masks or []):
             if mask is None:

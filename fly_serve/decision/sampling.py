@@ -1,17 +1,35 @@
-"""Sampling at T > 0: the processed distribution (temperature, then top-p), one random generator
-per sequence, and standard speculative sampling of one row (lossless: tokens are distributed as
-the target's processed distribution whatever the drafts were).
+"""Sampling at T > 0: the processed distribution (temperature, then top-p), keyed draws, and
+standard speculative sampling of one row.
 
-A row whose drafts are deterministic proposals (prompt lookup, the suffix index, Token Recycling:
-a one-hot q) and that decides strictly draws each position's token from a generator keyed by the
-row's seed and the position (`keyed_row`): what a seeded request emits then depends on neither the
-drafts nor where rounds begin, so it repeats in `suffix` and `recycle` modes too, whose drafts
-come from what the engine learned from earlier requests (a sequential stream would be consumed
-differently with every different draft).
+Keyed draws (the default for every sampled row). The token a sampled row emits at sequence
+position i is argmax_v p_i(v) / E(v), E(v) an exponential(1) number that is a hash of (the row's
+seed, i, v): the Gumbel-max trick (an exponential race), which draws exactly from p_i. The
+drafter draws its draft at position i the same way from its own q_i, with the same numbers, and
+the target accepts a draft iff it equals the target's own draw there. So:
 
-Everything runs where the logits are: on a GPU the full-vocabulary softmax, sort and draws stay on
-the device (each row's generator lives there too) and only [K]-sized results reach the host. A
-seeded request is reproducible on the same kind of device (CPU and CUDA generators differ)."""
+- the committed text is exactly the target's own sample whatever the drafts, the round shapes,
+  the mode, the batch or k "auto"'s choices were: a seeded request gives one text in ar, pld,
+  spd, strict fly and k auto (lossless by construction: every committed token is the target's
+  draw from p given the tokens before it);
+- drafts agree with the target wherever p and q are close: the coupling accepts a draft with a
+  probability between (1 - TV) / (1 + TV) and 1 - TV (TV: p and q's total variation distance),
+  where speculative sampling's p/q test reaches 1 - TV (docs/journal.md: measured on the tiny pair);
+- q never travels: the verifier compares tokens. A deterministic proposal (prompt lookup, the
+  suffix index, Token Recycling) is verified the same way (accepted with probability p(d));
+- the numbers are tensor ops on the logits' device (a counter-based hash, no generator objects,
+  the same numbers on every device and batch), batched over rows and positions: nothing to
+  capture but kernels.
+
+FLy's loose decision at T > 0 reads the same draws: a mismatch is a draft that differs from the
+target's keyed draw. A row without a seed gets a random one (the engine draws it once per
+request, so drafter and target share it).
+
+A drafter that ships its own q (Drafts.q, e.g. one whose draws are not keyed) is verified by
+standard speculative sampling against it, from the row's own generator (`speculative_row`):
+lossless, but its text then depends on the drafts.
+
+Everything runs where the logits are: on a GPU the full-vocabulary softmax and draws stay on
+the device and only [K]-sized results reach the host."""
 
 import random
 
@@ -35,15 +53,13 @@ def probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch
 
 
 class Generators:
-    """One torch.Generator per sequence, so a seeded request draws the same numbers whatever
-    else shares its batch, and one generator per position of a sequence (`at`) for the draws that
-    must not depend on how many came before. `salt` keeps the drafter's stream apart from the
-    target's."""
+    """One torch.Generator per sequence, for rows verified by speculative sampling against a q
+    their drafter shipped (speculative_row): a seeded request draws the same numbers whatever
+    else shares its batch."""
 
     def __init__(self, salt: int, device: torch.device | str = "cpu"):
         self.salt, self.by_key, self.device = salt, {}, torch.device(device)
-        self.bases: dict[str, int] = {}  # key -> the seed its positions' generators derive from
-        self._at: torch.Generator | None = None  # reseeded for each position (`at`)
+        self.bases: dict[str, int] = {}  # key -> the seed its generator starts from
 
     def base(self, row: Row) -> int:
         """The row's seed as a generator takes it: any int64 maps into the range; none: random."""
@@ -61,13 +77,6 @@ class Generators:
                 g.manual_seed(self.base(row))
             self.by_key[row.key] = g
         return self.by_key[row.key]
-
-    def at(self, row: Row, position: int) -> torch.Generator:
-        """The generator of one position of the row's sequence: its numbers depend on the row's
-        seed and the position alone (valid until the next call)."""
-        if self._at is None:
-            self._at = torch.Generator(device=self.device)
-        return self._at.manual_seed(mix(self.base(row), position))
 
     def release(self, keys):
         for key in keys:
@@ -127,17 +136,125 @@ def speculative_row(p: torch.Tensor, drafts: torch.Tensor, n: int, q: torch.Tens
     return ok, y
 
 
-def keyed_row(p: torch.Tensor, drafts: torch.Tensor, n: int, generator_at):
-    """Speculative sampling of a row with deterministic drafts (a one-hot q) that decides
-    strictly: the target's token at each position i of p [n+1, V] is drawn from p[i] with that
-    position's own generator (generator_at(i)), and a draft is accepted when it is that token.
-    Exact: a draft d is accepted with probability p(d), as by the p/q test, and a rejected
-    position's token is p given it is not d, the residual (p - one_hot(d))+ normalized. Returns
-    ok [K] and y [K+1] on the CPU, as speculative_row."""
-    K = drafts.shape[0]
-    drawn = torch.stack([_sample(p[i], generator_at(i)) for i in range(n + 1)]).cpu()
-    y = torch.zeros(K + 1, dtype=torch.long)
-    y[: n + 1] = drawn
-    ok = torch.zeros(K, dtype=torch.bool)
-    ok[:n] = drawn[:n] == drafts[:n].cpu()
-    return ok, y
+# ---- keyed draws (module docstring)
+M32 = 0xFFFFFFFF
+_VKEYS: dict[tuple[int, str], torch.Tensor] = {}  # per (vocabulary, device): each token id's own key
+# Elements (positions x vocabulary) hashed at once: bounds the int32 / float32 temporaries
+# (4M elements: 16 MB each on a CPU; a GPU takes 64M).
+CHUNK = {"cpu": 1 << 22}
+DEFAULT_CHUNK = 1 << 26
+
+
+def seed_key(seed: int) -> int:
+    """The 64-bit key of a row's seed (any int64), as drafter and target both derive it."""
+    return mix(seed % 2**64, -1) << 1 | 1
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (Wellons' lowbias32) of x, int64 values in [0, 2**32)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & M32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & M32
+    return x ^ (x >> 16)
+
+
+def _mix32_(x: torch.Tensor) -> torch.Tensor:
+    """_mix32 in place on int32 (two's complement, products wrap): logical shifts as masked ones."""
+    x.bitwise_xor_((x >> 16) & 0xFFFF)
+    x.mul_(0x7FEB352D)
+    x.bitwise_xor_((x >> 15) & 0x1FFFF)
+    x.mul_(0x846CA68B - 2**32)
+    x.bitwise_xor_((x >> 16) & 0xFFFF)
+    return x
+
+
+def _int32(x: torch.Tensor) -> torch.Tensor:
+    """int64 values in [0, 2**32) as the int32 of the same bits."""
+    return torch.where(x >= 2**31, x - 2**32, x).to(torch.int32)
+
+
+def token_keys(ids: torch.Tensor) -> torch.Tensor:
+    """int32 [V]: the key of each token id (int64 ids >= 0) in exponentials. A distribution laid
+    out over another vocabulary draws with the numbers of the ids its columns stand for (a drafter
+    of another tokenizer drafting by TLI: cross_vocab.py), so its draws and the target's agree."""
+    return _int32(_mix32((ids * 0x9E3779B9) & M32))
+
+
+def _token_keys(vocab: int, device: torch.device) -> torch.Tensor:
+    key = (vocab, str(device))
+    if key not in _VKEYS:
+        _VKEYS[key] = token_keys(torch.arange(vocab, dtype=torch.long, device=device))  # [V]
+    return _VKEYS[key]
+
+
+def position_keys(keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """int32 [N]: one key per (row key [N] int64, sequence position [N] int64)."""
+    lo, hi = keys & M32, (keys >> 32) & M32
+    return _int32(_mix32(_mix32(lo ^ _mix32(positions & M32)) ^ hi))
+
+
+def exponentials(pos_keys: torch.Tensor, vocab: int, tkeys: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 [N, vocab]: the exponential(1) number of every (position key, token id), from 24
+    hashed bits, never 0 or inf. tkeys [vocab]: the columns' token keys (token_keys; None: the
+    columns are the ids 0..vocab-1)."""
+    tkeys = _token_keys(vocab, pos_keys.device) if tkeys is None else tkeys
+    x = pos_keys[:, None] ^ tkeys[None, :]  # [N, V]
+    _mix32_(x)
+    u = ((x >> 8) & 0xFFFFFF).float().add_(0.5).mul_(2.0**-24)  # (0, 1)
+    return u.log_().neg_()
+
+
+def keyed_draw(
+    p: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, tkeys: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The token drawn from each distribution p [N, V] (probabilities, or any non-negative weights
+    proportional to them) by the numbers of its (row key, position): argmax p / E. keys, positions
+    [N] int64 on p's device; tkeys: p's columns' token keys (exponentials). Returns [N] int64 on
+    p's device (column indices): no host read."""
+    N, V = p.shape
+    if N == 0:
+        return torch.zeros(0, dtype=torch.long, device=p.device)
+    pk = position_keys(keys, positions)
+    step = max(1, CHUNK.get(p.device.type, DEFAULT_CHUNK) // V)
+    out = [(p[i : i + step].float() / exponentials(pk[i : i + step], V, tkeys)).argmax(-1) for i in range(0, N, step)]
+    return out[0] if len(out) == 1 else torch.cat(out)
+
+
+class RowKeys:
+    """Each row's key (seed_key of its seed); a row without a seed gets a random one, kept until
+    it is released (the engine gives every sampled row a seed, so drafter and target agree)."""
+
+    def __init__(self):
+        self.random: dict[str, int] = {}
+
+    def of(self, row: Row) -> int:
+        if row.seed is not None:
+            return seed_key(row.seed)
+        if row.key not in self.random:
+            self.random[row.key] = random.getrandbits(64) | 1
+        return self.random[row.key]
+
+    def tensor(self, rows: list[Row], repeat: int, device) -> torch.Tensor:
+        """int64 [len(rows) * repeat]: each row's key, repeated for its positions."""
+        signed = [k - 2**64 if k >= 2**63 else k for k in (self.of(r) for r in rows)]
+        return torch.tensor(signed, dtype=torch.long).repeat_interleave(repeat).to(device)
+
+    def release(self, keys) -> None:
+        for key in keys:
+            self.random.pop(key, None)
+
+
+def probs_rows(logits: torch.Tensor, rows: list[Row]) -> torch.Tensor:
+    """probs of every row at once: logits [R, T, V], each row's temperature and top_p."""
+    temps = torch.tensor([r.temperature for r in rows], dtype=torch.float32, device=logits.device)
+    p = torch.softmax(logits.float() / temps[:, None, None], dim=-1)
+    top_p = [r.top_p for r in rows]
+    if min(top_p) < 1.0:
+        cut = torch.tensor(top_p, dtype=torch.float32, device=logits.device)[:, None, None]
+        sorted_p, idx = p.sort(dim=-1, descending=True)
+        drop = (sorted_p.cumsum(-1) - sorted_p > cut) & (cut < 1.0)  # keep the smallest set reaching top_p
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        p = torch.zeros_like(p).scatter(-1, idx, sorted_p)
+        p = p / p.sum(-1, keepdim=True)
+    return p

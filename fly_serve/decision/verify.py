@@ -25,11 +25,12 @@ def entropy(p: torch.Tensor, kind: str = "topk", top_k: int = 3) -> torch.Tensor
 
 def padded(lists: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row token lists -> (tokens [B, max len] right-padded with 0, lengths [B])."""
-    n = torch.tensor([len(t) for t in lists], dtype=torch.long)
-    out = torch.zeros(len(lists), int(n.max()) if len(lists) else 0, dtype=torch.long)
-    for b, t in enumerate(lists):
-        out[b, : len(t)] = torch.tensor(t, dtype=torch.long)
-    return out, n
+    lengths = [len(t) for t in lists]
+    width = max(lengths, default=0)
+    if width == 0:  # an ar step
+        return torch.zeros(len(lists), 0, dtype=torch.long), torch.zeros(len(lists), dtype=torch.long)
+    out = torch.tensor([list(t) + [0] * (width - len(t)) for t in lists], dtype=torch.long).view(len(lists), width)
+    return out, torch.tensor(lengths, dtype=torch.long)
 
 
 def greedy_check(logits: torch.Tensor, drafts: torch.Tensor, n: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,12 +45,13 @@ def greedy_check(logits: torch.Tensor, drafts: torch.Tensor, n: torch.Tensor) ->
 def plausibility_from_logits(logits: torch.Tensor, drafts: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """p(d_i) / max_v p(v) under softmax(logits) (the distribution a greedy row's gate reads), as
     exp(logit of d_i - logit of the argmax y_i): two gathers, no softmax over the vocabulary.
-    logits [B, K+1, V]; drafts [B, K]; y [B, K+1] (greedy_check's). Returns [B, K] on the CPU."""
+    logits [B, K+1, V]; drafts [B, K]; y [B, K+1] (the argmax). Returns [B, K] on the logits'
+    device (no host read)."""
     K = drafts.shape[1]
     at = logits[:, :K]
     own = at.gather(-1, drafts.to(at.device)[..., None]).squeeze(-1).float()
     top = at.gather(-1, y[:, :K].to(at.device)[..., None]).squeeze(-1).float()
-    return torch.exp(own - top).cpu()
+    return torch.exp(own - top)
 
 
 def plausibility_from_probs(p: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
@@ -87,6 +89,9 @@ def decide(ok, h, n, theta, check, span=None, support=None, plausible=None):
     """
     B, K = ok.shape
     i = torch.arange(K)[None, :]
+    if h is None or not bool((theta < 1).any()):  # every row strict: the first rejection ends it
+        stop = torch.cat([~ok | (i >= n[:, None]), torch.ones(B, 1, dtype=torch.bool)], dim=1)
+        return stop.int().argmax(1), torch.zeros_like(ok)
     span = check if span is None else span
     # Mismatches in (i, i + check]: a prefix sum, so every position is checked at once.
     miss = torch.cat([torch.zeros(B, 1, dtype=torch.long), (~ok).long().cumsum(1)], dim=1)

@@ -50,7 +50,7 @@ from collections import OrderedDict
 import torch
 
 from fly_serve.contracts import CROSS_VOCAB_METHODS, Drafts, DraftSource, Row
-from fly_serve.decision.sampling import wire_q
+from fly_serve.decision.sampling import token_keys, wire_q
 from fly_serve.runtime.kv_cache import common_prefix
 
 from .drafters import ModelDrafter
@@ -159,6 +159,13 @@ class CrossVocabDrafter:
         self.target_bos, self.drafter_bos = _adds_bos(target_tokenizer), _adds_bos(drafter_tokenizer)
         self.has_template = bool(getattr(drafter_tokenizer, "chat_template", None))
         self.drafted = {m: 0 for m in METHODS}  # target drafts made by each method since start
+        # TLI at T > 0: the drafter's keyed draws use the target's numbers (its tokens' target ids,
+        # the target's positions: ModelDrafter.token_keys), so a draft is the target's own draw
+        # wherever the two distributions agree; an unshared token is masked, its key unused.
+        ids = torch.zeros(inner.vocab_size, dtype=torch.long)
+        shared = torch.as_tensor(vmap.to_target[: inner.vocab_size], dtype=torch.long)
+        ids[: len(shared)] = shared.clamp(min=0)
+        inner.token_keys = token_keys(ids).to(inner.runner.device)
 
     # ---- what the engine and the replicas read of a model drafter
     @property
@@ -201,17 +208,20 @@ class CrossVocabDrafter:
             method = self.method(r)
             if r.k <= 0 or (r.peek and method != "tli"):  # a string-level row makes no bet
                 continue
+            stream = self.follow(r)
             if method == "tli":
                 self.inner.limits[r.key] = mask
+                self.inner.position_shift[r.key] = r.start + len(r.tokens) - len(stream)
             else:
                 self.inner.limits.pop(r.key, None)
+                self.inner.position_shift.pop(r.key, None)
             sampled = method == "tli" and r.sampled  # a string-level row drafts greedily (deterministic)
             idx.append(b)
             methods.append(method)
             inner_rows.append(
                 Row(
                     r.key,
-                    self.follow(r),
+                    stream,
                     r.k,
                     r.mla,
                     r.temperature if sampled else 0.0,

@@ -1,5 +1,6 @@
-"""Drafters (contracts.Drafter): each proposes up to row.k tokens per row and, for sampling rows,
-the distribution q each token was drawn from.
+"""Drafters (contracts.Drafter): each proposes up to row.k tokens per row. A sampled row's drafts
+are keyed draws (sampling.py: the target draws with the same numbers and compares tokens), so
+no q is shipped (Drafts.q None).
 
 SourceDrafter  a model-free source (contracts.DraftSource) alone: its proposals are deterministic,
   so q is one-hot (None) and speculative sampling stays exact at any temperature.
@@ -26,9 +27,12 @@ ModelDrafter  a small model with its own KV cache. With MLA (multi-level acceler
   allow another, such as `{` besides `{"`), so the drafter checks them all, as any proposal, in
   the forward that drafts the token after them.
   Draft-ahead (a row with Row.peek, draft_ahead.py): the drafter first takes its own next token
-  (its argmax: no random draw) and drafts after it. Those drafts bet on the target's verdict;
-  the row's random stream is snapshotted before them and rewound at its next call unless that
-  call's tokens continue the bet (a hit), so a lost bet leaves no trace in the row's samples.
+  (its argmax: no random draw) and drafts after it. Those drafts bet on the target's verdict; a
+  sampled row's draws are keyed by position, so a lost bet leaves no trace in its later drafts.
+  Two draft loops (draft_loop): the MLA loop above, and on a GPU the fixed-shape loop
+  (fixed_loop.py: one-token steps, no host read inside, every step a CUDA graph's replay) for
+  the rows it can take (unconstrained, not peeking); both draft the same tokens for a row
+  without MLA proposals.
 """
 
 import math
@@ -36,12 +40,13 @@ from dataclasses import replace
 
 import torch
 
-from fly_serve.contracts import Drafts, DraftSource, ModelRunner, Row
+from fly_serve.contracts import Drafts, DraftSource, ModelRunner, Row, RowTokens
 from fly_serve.decision.grammar import DraftMatchers, Grammars, Matcher, apply_masks
-from fly_serve.decision.sampling import Generators, probs, speculative_row, wire_q
+from fly_serve.decision.sampling import RowKeys, keyed_draw, probs_rows
 from fly_serve.decision.verify import decide, greedy_check, padded
 
 from . import prompt_lookup
+from .fixed_loop import FixedLoop
 
 
 def lookups_pay(kept: list[float | None], share: float) -> bool:
@@ -83,13 +88,22 @@ def stopping(confidence: list[float], floor: list[float]) -> set[int]:
 
 
 class PromptLookup:
-    """Prompt lookup as a DraftSource."""
+    """Prompt lookup as a DraftSource. A row given as a contracts.RowTokens with a key is answered
+    from that key's incremental index (prompt_lookup.LookupIndexes, shared where given), the same
+    answer as a scan of its whole tokens, in O(new tokens)."""
 
-    def __init__(self, max_n: int = 4, min_n: int = 1):
+    def __init__(self, max_n: int = 4, min_n: int = 1, indexes: prompt_lookup.LookupIndexes | None = None):
         self.max_n, self.min_n = max_n, min_n
+        self.indexes = indexes if indexes is not None else prompt_lookup.LookupIndexes(max(max_n, 4))
 
     def propose(self, tokens: list[int], k: int) -> list[int]:
-        return prompt_lookup.propose(tokens, k, self.max_n, self.min_n)
+        key = getattr(tokens, "key", None)
+        if key is None or k <= 0:
+            return prompt_lookup.propose(tokens, k, self.max_n, self.min_n)
+        return self.indexes.of(key, tokens, tokens.final).propose(tokens, k, self.max_n, self.min_n)
+
+    def release(self, keys: list[str]) -> None:
+        self.indexes.release(keys)
 
 
 class SourceDrafter:
@@ -99,10 +113,13 @@ class SourceDrafter:
         self.source = source
 
     def propose(self, rows: list[Row]) -> Drafts:
-        return Drafts([self.source.propose(r.tokens, r.k) for r in rows], [None] * len(rows))
+        return Drafts([self.source.propose(RowTokens.of(r), r.k) for r in rows], [None] * len(rows))
 
     def release(self, keys: list[str]) -> None:
-        pass  # no per-sequence state (a shared source learns from finished requests, not rows)
+        # a shared source learns from finished requests, not rows; prompt lookup's index goes
+        release = getattr(self.source, "release", None)
+        if release is not None:
+            release(keys)
 
     def share_sources(self, sources: dict[str, DraftSource]) -> None:
         pass  # one source of its own; no MLA levels
@@ -112,8 +129,27 @@ class SourceDrafter:
 
 
 class LookupDrafter(SourceDrafter):
-    def __init__(self, max_n: int = 4, min_n: int = 1):
-        super().__init__(PromptLookup(max_n, min_n))
+    def __init__(self, max_n: int = 4, min_n: int = 1, indexes: prompt_lookup.LookupIndexes | None = None):
+        super().__init__(PromptLookup(max_n, min_n, indexes))
+
+
+LOOPS = ("auto", "mla", "fixed")
+
+
+def draft_loop(requested: str, runner: ModelRunner) -> str:
+    """The draft loop a ModelDrafter runs: "mla" (one forward may advance several tokens, host
+    work between forwards: for a CPU, where a forward costs far more than the host's work around
+    it) or "fixed" (fixed_loop.py: one-token steps on static shapes with no host read inside,
+    each step a CUDA graph's replay: for a GPU, where the host's work costs more than a replayed
+    forward). auto: fixed on a CUDA device, mla elsewhere; the fixed loop needs the torch runtime."""
+    if requested not in LOOPS:
+        raise ValueError(f"draft_loop: must be one of {', '.join(LOOPS)} (got {requested!r})")
+    capable = FixedLoop.runs_on(runner)
+    if requested == "fixed" and not capable:
+        raise ValueError("draft_loop: 'fixed' needs the torch runtime's runner (runner.Runner), not this one")
+    if requested == "auto":
+        return "fixed" if capable and torch.device(runner.device).type == "cuda" else "mla"
+    return requested
 
 
 class ModelDrafter:
@@ -124,12 +160,14 @@ class ModelDrafter:
         min_n: int = 1,
         min_confidence: float = 0.0,
         vocab_size: int | None = None,
+        loop: str = "auto",
     ):
-        """runner: the draft model with its KV cache (contracts.ModelRunner)."""
+        """runner: the draft model with its KV cache (contracts.ModelRunner); loop: draft_loop's."""
         self.runner = runner
         self.kv_capacity_tokens = runner.cache.capacity_tokens
-        # MLA levels by name (params.MLA_SOURCES); the engine shares its suffix index and token
-        # recycler here (share_sources), so a standalone drafter has prompt lookup only.
+        # MLA levels by name (params.MLA_SOURCES); the engine shares its suffix index, token
+        # recycler and prompt lookup index here (share_sources), so a standalone drafter has its
+        # own prompt lookup only.
         self.sources: dict[str, DraftSource] = {"pld": PromptLookup(max_n, min_n)}
         # A greedy row stops drafting once the drafter's own probability of its token falls
         # below this: the tokens after it would mostly be thrown away (0: always draft k).
@@ -137,10 +175,11 @@ class ModelDrafter:
         # The tokens the tokenizer knows (model_scorer.py cuts the target's logits the same way),
         # so q has the target's width and no padding row of a wider head is ever drafted.
         self.vocab_size = vocab_size or runner.vocab_size
-        self.generators = Generators(salt=1, device=self.runner.device)  # sampling stays by the logits
-        # per sampling row drafted ahead: (its generator's state before, the tokens a later call
-        # must start with for those draws to stand; None until the ahead call finished)
-        self.bets: dict[str, tuple[torch.Tensor, list[int] | None]] = {}
+        # Sampled rows draw keyed (sampling.keyed_draw): the target draws with the same numbers,
+        # so no q travels, and a bet's drafts (draft-ahead) leave no state behind.
+        self.keys = RowKeys()
+        self.loop = draft_loop(loop, runner)
+        self.fixed = FixedLoop(runner, self.vocab_size, self.keys) if self.loop == "fixed" else None
         self.matchers: DraftMatchers | None = None  # structured output (share_grammars)
         self.forwards = 0  # drafter forwards, all rows together, since start
         # per row: [proposals whose first token held, proposals] (lookups_pay), from a prior of 1 in 2
@@ -151,6 +190,12 @@ class ModelDrafter:
         # cross_vocab.py): key -> an additive mask [V], 0 where a token may be drafted, -inf
         # elsewhere, applied before any read of the logits (drafts, q, MLA's checks, the stop).
         self.limits: dict[str, torch.Tensor] = {}
+        # What its sampled draws are keyed by (sampling.keyed_draw): None, its own token ids and
+        # positions; a drafter of another vocabulary sets the target's ids of its tokens (token
+        # keys [V]) and, per row, the target position of its next token less its own, so that its
+        # draws and the target's use the same numbers (cross_vocab.py: TLI at T > 0).
+        self.token_keys: torch.Tensor | None = None
+        self.position_shift: dict[str, int] = {}
 
     def cache_report(self) -> dict:
         """How often a row found its KV cache here warm, and the forwards since start (stats)."""
@@ -173,57 +218,94 @@ class ModelDrafter:
         return True
 
     def propose(self, rows: list[Row]) -> Drafts:
-        self._settle_bets(rows)
         cache = self.runner.cache
-        for r in rows:
-            warm = cache.valid(r.key, r.tokens) > 0
-            self.hits += warm
-            self.misses += not warm
-        # After a round whose drafts all passed, the drafter lacks d_K and the bonus token: a lag
-        # of two, fed in the first drafting forward rather than a forward of its own.
-        self.runner.catch_up([r.key for r in rows], [r.tokens for r in rows], max_lag=4)
+        views = [RowTokens.of(r) for r in rows]
+        held = [cache.valid(r.key, v) for r, v in zip(rows, views)]  # each row's tokens its cache holds
+        warm = sum(h > 0 for h in held)
+        self.hits += warm
+        self.misses += len(rows) - warm
         matchers = []
         try:
             for r in rows:  # inside the try: a failure at row j leaves rows < j pushed otherwise
                 matchers.append(self.matchers.at(r) if self.matchers else None)
-            rows, guesses, drafts, qs, forwards, row_forwards = self._draft(rows, matchers)
+            rows, guesses, drafts, forwards, row_forwards = self._draft(rows, views, held, matchers)
         finally:  # each matcher back at its row's committed tokens
             for m in matchers:
                 if m is not None:
                     m.pop()
-        q = [wire_q(torch.stack(q)) if rows[b].sampled and q else None for b, q in enumerate(qs)]  # [n, V]
-        for b, g in enumerate(guesses or []):
-            if g is not None and rows[b].key in self.bets:  # the bet stands if a later call continues it
-                self.bets[rows[b].key] = (self.bets[rows[b].key][0], rows[b].tokens)
         hits = self.runner.cache.take_hits([r.key for r in rows])  # prefill the prefix cache saved
-        return Drafts(drafts, q, forwards, row_forwards, guesses=guesses, prefix_hit_tokens=hits)
+        return Drafts(drafts, [None] * len(rows), forwards, row_forwards, guesses=guesses, prefix_hit_tokens=hits)
 
-    def _draft(self, rows: list[Row], matchers: list[Matcher | None]):
-        """The drafting forwards of a call: (rows, guesses, drafts, qs, forwards, row_forwards)."""
+    def _draft(self, rows: list[Row], views: list[RowTokens], held: list[int], matchers: list[Matcher | None]):
+        """The drafting forwards of a call: (rows, guesses, drafts, forwards, row_forwards). The
+        fixed-shape loop takes the rows it can (unconstrained, not peeking, not limited), the MLA
+        loop the rest."""
+        drafts = [[] for _ in rows]
+        row_forwards = [0] * len(rows)
+        forwards = 0
+        fixed = []
+        if self.fixed is not None:
+            # a limited row (TLI) keeps to the MLA loop, which applies its mask before every read
+            fixed = [
+                b
+                for b, (r, m) in enumerate(zip(rows, matchers))
+                if r.k > 0 and m is None and not r.peek and r.key not in self.limits
+            ]
+        if fixed:
+            sub = [rows[b] for b in fixed]
+            got, forwards = self.fixed.draft(sub, [views[b] for b in fixed], [held[b] for b in fixed], self._floors)
+            self.forwards += forwards
+            for b, d in zip(fixed, got):
+                drafts[b], row_forwards[b] = d, len(d)
+        taken = set(fixed)
+        rest = [b for b in range(len(rows)) if b not in taken]
+        if not rest:
+            return rows, None, drafts, forwards, row_forwards
+        sub = [rows[b] for b in rest]
+        # After a round whose drafts all passed, the drafter lacks d_K and the bonus token: a lag
+        # of two, fed in the first drafting forward rather than a forward of its own.
+        self.runner.catch_up([r.key for r in sub], [views[b] for b in rest], max_lag=4)
+        sub, guesses, got, n_forwards, got_row_forwards = self._mla(sub, [matchers[b] for b in rest])
+        out_rows = list(rows)
+        for i, b in enumerate(rest):
+            out_rows[b], drafts[b], row_forwards[b] = sub[i], got[i], got_row_forwards[i]
+        if guesses is not None:
+            spread = [None] * len(rows)
+            for i, b in enumerate(rest):
+                spread[b] = guesses[i]
+            guesses = spread
+        return out_rows, guesses, drafts, forwards + n_forwards, row_forwards
+
+    def _mla(self, rows: list[Row], matchers: list[Matcher | None]):
+        """The MLA loop: (rows, guesses, drafts, forwards, row_forwards)."""
         guesses = None
         if any(r.peek for r in rows):
             rows, guesses = self._peek(rows, matchers)
         drafts = [[] for _ in rows]
-        qs = [[] for _ in rows]
         active = [b for b, r in enumerate(rows) if r.k > 0]
         forwards, row_forwards = 0, [0] * len(rows)
         while active:
             ms = [matchers[b] for b in active]
-            stop = self._step([rows[b] for b in active], [drafts[b] for b in active], [qs[b] for b in active], ms)
+            stop = self._step([rows[b] for b in active], [drafts[b] for b in active], ms)
             for b in active:
                 row_forwards[b] += 1
             active = [b for i, b in enumerate(active) if len(drafts[b]) < rows[b].k and i not in stop]
             forwards += 1
-        return rows, guesses, drafts, qs, forwards, row_forwards
+        return rows, guesses, drafts, forwards, row_forwards
+
+    def _floors(self, rows: list[Row]) -> list[float]:
+        """Each row's confidence floor (0: drafts its k): greedy rows only (stopping)."""
+        return [0.0 if r.sampled else max(self.min_confidence, r.min_confidence) for r in rows]
 
     def _peek(self, rows: list[Row], matchers: list[Matcher | None]) -> tuple[list[Row], list[int | None]]:
         """Each peeking row's tokens extended by the drafter's own next token, in one batched
-        forward. Its argmax: the likeliest value of the target's bonus token, and no draw from the
-        row's stream; a constrained row's among what its grammar allows (its matcher then takes
-        it; after an EOS the row drafts nothing). A sampling row's stream is snapshotted here,
-        before the drafts of the bet."""
+        forward. Its argmax: the likeliest value of the target's bonus token; a constrained
+        row's among what its grammar allows (its matcher then takes it; after an EOS the row
+        drafts nothing). A bet's drafts are keyed draws (sampling.py), so a lost bet leaves
+        nothing to rewind."""
         idx = [b for b, r in enumerate(rows) if r.peek]
-        logits, _ = self.runner.feed([rows[b].key for b in idx], [rows[b].tokens for b in idx], tail=[1] * len(idx))
+        views = [RowTokens.of(rows[b]) for b in idx]
+        logits, _ = self.runner.feed([rows[b].key for b in idx], views, tail=[1] * len(idx))
         self.forwards += 1
         logits = logits[:, :1, : self.vocab_size]  # [len(idx), 1, V]
         self._limit([rows[b] for b in idx], logits)
@@ -233,58 +315,47 @@ class ModelDrafter:
         out, guesses = list(rows), [None] * len(rows)
         for b, t in zip(idx, nxt):
             k = rows[b].k if matchers[b] is None or matchers[b].push([t]) else 0
-            guesses[b], out[b] = t, replace(rows[b], tokens=rows[b].tokens + [t], peek=False, k=k)
-            if rows[b].sampled:
-                self.bets[rows[b].key] = (self.generators.get(rows[b]).get_state(), None)
+            # the guess joins the tokens the row bets on (guessed: not committed)
+            guesses[b], out[b] = (
+                t,
+                replace(rows[b], tokens=rows[b].tokens + [t], peek=False, k=k, guessed=rows[b].guessed + 1),
+            )
         return out, guesses
 
-    def _settle_bets(self, rows: list[Row]) -> None:
-        """Rewind the stream of a row whose ahead drafts were not used, so the draws they took
-        never happened for the sequence, exactly as drafting one round at a time draws. They were
-        used only if the row's tokens now continue past the guess (its next round ran on them);
-        tokens that leave the guess (a lost bet), tokens equal to it (the caller drafts that round
-        again: its ahead call failed on the way back) and a call that never finished rewind."""
-        for r in rows:
-            bet = self.bets.pop(r.key, None)
-            if bet is None:
-                continue
-            state, guess = bet
-            if guess is None or len(r.tokens) <= len(guess) or r.tokens[: len(guess)] != guess:
-                self.generators.get(r).set_state(state)
-
-    def _step(
-        self, rows: list[Row], drafts: list[list[int]], qs: list[list], matchers: list[Matcher | None]
-    ) -> set[int]:
+    def _step(self, rows: list[Row], drafts: list[list[int]], matchers: list[Matcher | None]) -> set[int]:
         """One batched drafter forward: each row feeds its last token plus a lookup proposal and
-        keeps the proposal's verified prefix and the drafter's next token (extends drafts, qs).
+        keeps the proposal's verified prefix and the drafter's next token (extends drafts).
+        A sampled row's tokens are its keyed draws (sampling.keyed_draw): a proposal token holds
+        where it equals the draw, so its drafts are exactly those it would draft without MLA.
         A constrained row's logits are masked by its grammar along the proposal, and its matcher
         takes the tokens kept. Returns the rows that stop: their new token fell below
         min_confidence, or a constrained row drafted EOS."""
-        contexts = [r.tokens + d for r, d in zip(rows, drafts)]
+        contexts = [RowTokens.of(r, d) for r, d in zip(rows, drafts)]
         proposals, masks = [], []
         for c, r, d, m in zip(contexts, rows, drafts, matchers):
             p, mask = self._proposal(r, c, r.k - len(d) - 1, m)
             proposals.append(p)
             masks.append(mask)
         proposals = self._carried(rows, proposals, matchers)
-        logits, _ = self.runner.feed(
-            [r.key for r in rows], [c + p for c, p in zip(contexts, proposals)], tail=[1 + len(p) for p in proposals]
-        )
+        fed = [RowTokens(c.base, list(c.extra) + p, c.final) for c, p in zip(contexts, proposals)]
+        logits, _ = self.runner.feed([r.key for r in rows], fed, tail=[1 + len(p) for p in proposals])
         logits = logits[..., : self.vocab_size]
         self._limit(rows, logits)
-        if any(m is not None for m in masks):  # every later read (argmax, q, confidence) is the masked one
+        if any(m is not None for m in masks):  # every later read (argmax, draws, confidence) is the masked one
             apply_masks(logits, masks)
         self.forwards += 1
         proposed, n = padded(proposals)
         ok, y = greedy_check(logits, proposed, n)
-        for b, r in enumerate(rows):
-            if r.sampled:  # drafts stay distributed as q: lookup proposals pass by speculative sampling
-                p = probs(logits[b, : int(n[b]) + 1], r.temperature, r.top_p)
-                ok[b], y[b] = speculative_row(p, proposed[b], int(n[b]), None, self.generators.get(r))
+        sampled = [b for b, r in enumerate(rows) if r.sampled]
+        if sampled:
+            draws = self._draws([rows[b] for b in sampled], [len(contexts[b]) for b in sampled], logits[sampled])
+            y[sampled] = draws
+            K = proposed.shape[1]
+            ok[sampled] = (proposed[sampled] == draws[:, :K]) & (torch.arange(K)[None, :] < n[sampled, None])
         none = torch.zeros(len(rows), dtype=torch.long)
         accept_len, _ = decide(ok, None, n, theta=torch.ones(len(rows)), check=none)
         unsure = set()
-        floor = [0.0 if r.sampled else max(self.min_confidence, r.min_confidence) for r in rows]
+        floor = self._floors(rows)
         if any(floor):
             last = logits[torch.arange(len(rows)), accept_len.to(logits.device)]
             unsure = stopping(torch.softmax(last.float(), -1).max(-1).values.tolist(), floor)
@@ -297,8 +368,6 @@ class ModelDrafter:
             drafts[b].extend(new[:room])
             if matchers[b] is not None and matchers[b].push(new[:room]) < len(new[:room]):
                 unsure.add(b)  # an EOS (the mask allows nothing else it could refuse): nothing follows
-            if r.sampled:  # q goes to the verifier, maybe through Ray: host memory is its wire format
-                qs[b].extend(probs(logits[b, : min(a + 1, room)], r.temperature, r.top_p).cpu())
         return unsure
 
     def _limit(self, rows: list[Row], logits: torch.Tensor) -> None:
@@ -308,6 +377,18 @@ class ModelDrafter:
                 mask = self.limits.get(r.key)
                 if mask is not None:
                     logits[b] += mask
+
+    def _draws(self, rows: list[Row], lengths: list[int], logits: torch.Tensor) -> torch.Tensor:
+        """[R, T] on the host: each sampled row's keyed draw at each fed position (logits [R, T, V],
+        position i of row r predicts its token at r.start + lengths[r] + i)."""
+        T = logits.shape[1]
+        p = probs_rows(logits, rows)
+        shift = self.position_shift
+        first = torch.tensor([r.start + n + shift.get(r.key, 0) for r, n in zip(rows, lengths)], dtype=torch.long)
+        positions = (first[:, None] + torch.arange(T)[None, :]).reshape(-1).to(logits.device)
+        keys = self.keys.tensor(rows, T, logits.device)
+        drawn = keyed_draw(p.reshape(-1, p.shape[-1]), keys, positions, self.token_keys)
+        return drawn.view(len(rows), T).cpu()
 
     def _carried(self, rows: list[Row], proposals: list[list[int]], matchers: list[Matcher | None]) -> list[list[int]]:
         """The proposals a forward carries: all of them, or where they do not pay (lookups_pay)
@@ -352,10 +433,14 @@ class ModelDrafter:
 
     def release(self, keys: list[str]) -> None:
         self.runner.release(keys)
-        self.generators.release(keys)
+        self.keys.release(keys)
         if self.matchers is not None:
             self.matchers.release(keys)
+        for source in self.sources.values():
+            release = getattr(source, "release", None)
+            if release is not None:  # prompt lookup's per-row index (not the shared learned sources)
+                release(keys)
         for key in keys:
-            self.bets.pop(key, None)
             self.proposals_kept.pop(key, None)
             self.limits.pop(key, None)
+            self.position_shift.pop(key, None)

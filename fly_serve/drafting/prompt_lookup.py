@@ -1,5 +1,10 @@
 """Prompt lookup: propose the tokens that followed the latest earlier occurrence of the
-sequence's last n tokens (n from max_n down to min_n). No model, a few microseconds."""
+sequence's last n tokens (n from max_n down to min_n). No model, a few microseconds.
+
+`propose` scans the whole sequence (numpy), O(context) a call. A row that comes as a
+contracts.RowTokens with a key is answered by that key's `LookupIndex` instead: the latest end of
+every n-gram of its committed tokens, grown as they grow, and a scan of the tokens after them
+(its drafts), O(new tokens) a call, the same answer."""
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
@@ -18,3 +23,76 @@ def propose(tokens, k: int, max_n: int = 4, min_n: int = 1) -> list[int]:
             start = int(hits[-1]) + n  # the latest occurrence: recent text repeats most
             return seq[start : start + k].tolist()
     return []
+
+
+def _packed(ngram) -> int:
+    """An n-gram as one int (token ids below 2**32): exact, so no collision to check."""
+    key = 0
+    for t in ngram:
+        key = key << 32 | t
+    return key
+
+
+class LookupIndex:
+    """One sequence's n-grams (n <= max_n) by the position of their latest end, for n-grams that
+    end before its last `covered` - 1 tokens... precisely: every n-gram ending at a position e <=
+    covered - 2 (one followed by a token inside the first `covered`)."""
+
+    def __init__(self, max_n: int):
+        self.max_n = max_n
+        self.last: list[dict[int, int]] = [{} for _ in range(max_n + 1)]  # last[n][packed n-gram] = e
+        self.covered = 0
+        self.check: int | None = None  # tokens[covered - 1] when indexed: a different sequence is caught
+
+    def extend(self, tokens, upto: int) -> None:
+        """Index tokens[:upto] (a prefix that only grows for this key)."""
+        if upto <= self.covered:
+            return
+        lo = max(self.covered - 1, 0)
+        window = tokens[max(lo - self.max_n + 1, 0) : upto]  # the tokens the new n-grams read
+        off = max(lo - self.max_n + 1, 0)
+        for e in range(lo, upto - 1):
+            for n in range(1, min(self.max_n, e + 1) + 1):
+                self.last[n][_packed(window[e - n + 1 - off : e + 1 - off])] = e
+        self.covered, self.check = upto, tokens[upto - 1]
+
+    def propose(self, tokens, k: int, max_n: int, min_n: int) -> list[int]:
+        """prompt_lookup.propose(tokens, k, max_n, min_n), with tokens[:covered] indexed."""
+        L = len(tokens)
+        if k <= 0 or L < 2:
+            return []
+        tail = tokens[max(self.covered - 1 - self.max_n, 0) :]  # what the scan reads (its drafts)
+        off = L - len(tail)
+        for n in range(min(max_n, self.max_n, L - 1), min_n - 1, -1):
+            suffix = tail[len(tail) - n :]
+            end = None
+            for e in range(L - 2, max(self.covered - 1, n - 1) - 1, -1):  # newest first, past the index
+                if tail[e - n + 1 - off : e + 1 - off] == suffix:
+                    end = e
+                    break
+            if end is None:
+                end = self.last[n].get(_packed(suffix))
+            if end is not None:
+                return tokens[end + 1 : end + 1 + k]
+        return []
+
+
+class LookupIndexes:
+    """A LookupIndex per row key, shared by every prompt lookup of an engine (its free drafts,
+    the pld mode, the model drafter's MLA level); released with the row."""
+
+    def __init__(self, max_n: int = 4):
+        self.max_n = max_n
+        self.by_key: dict[str, LookupIndex] = {}
+
+    def of(self, key: str, tokens, final: int) -> LookupIndex:
+        """The key's index over its first `final` tokens (rebuilt if they are not the ones it saw)."""
+        index = self.by_key.get(key)
+        if index is None or final < index.covered or (index.covered and tokens[index.covered - 1] != index.check):
+            index = self.by_key[key] = LookupIndex(self.max_n)
+        index.extend(tokens, final)
+        return index
+
+    def release(self, keys) -> None:
+        for key in keys:
+            self.by_key.pop(key, None)

@@ -67,18 +67,27 @@ class TokenRecycling:
         missing ones stay -1."""
         tokens = _as_numpy(tokens).reshape(-1)
         ids = _as_numpy(logits_topk_ids).reshape(tokens.size, -1)[:, : self.top_k]
-        # Out-of-vocab inputs (padding, ids of a wider logits head) have no row to write.
-        ids = np.where((ids >= 0) & (ids < self.vocab_size), ids, -1)
-        keep = (tokens >= 0) & (tokens < self.vocab_size)
-        tokens, ids = tokens[keep], ids[keep]
         if tokens.size == 0:
             return
+        V = self.vocab_size
+        if not (0 <= ids.min() and ids.max() < V and 0 <= tokens.min() and tokens.max() < V):
+            # Out-of-vocab inputs (padding, ids of a wider logits head) have no row to write.
+            ids = np.where((ids >= 0) & (ids < V), ids, -1)
+            keep = (tokens >= 0) & (tokens < V)
+            tokens, ids = tokens[keep], ids[keep]
+            if tokens.size == 0:
+                return
         if self._table is None:
             self._table = np.full((self.vocab_size, self.top_k), -1, dtype=np.int32)
-        last = _last_occurrences(tokens)
-        row = np.full((last.size, self.top_k), -1, dtype=np.int32)
-        row[:, : ids.shape[1]] = ids[last]
-        self._table[tokens[last]] = row
+        if np.unique(tokens).size < tokens.size:  # a repeated token: its last occurrence wins
+            last = _last_occurrences(tokens)
+            tokens, ids = tokens[last], ids[last]
+        if ids.shape[1] == self.top_k:
+            self._table[tokens] = ids
+        else:
+            row = np.full((tokens.size, self.top_k), -1, dtype=np.int32)
+            row[:, : ids.shape[1]] = ids
+            self._table[tokens] = row
 
     def propose(self, tokens: Sequence[int], k: int) -> list[int]:
         """Follow the top-1 successors from the last token, up to k (and max_tokens) steps.

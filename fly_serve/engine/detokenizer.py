@@ -16,17 +16,25 @@ import functools
 REPLACEMENT = "\ufffd"  # what a tokenizer shows for an incomplete UTF-8 sequence
 
 
+def decoder(tokenizer):
+    """ids -> text as tokenizer.decode(ids, skip_special_tokens=True) gives it. A fast tokenizer
+    that cleans up no spaces decodes with its Rust backend directly: the same call without
+    transformers' per-call conversions, which cost more than the decode of a few tokens."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and getattr(tokenizer, "clean_up_tokenization_spaces", True) is False:
+        return lambda ids: backend.decode(ids, skip_special_tokens=True)
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+
+
 class IncrementalText:
     """The growing text of one sequence's output tokens."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
+        self._decode = decoder(tokenizer)
         self.ids: list[int] = []
         self.prefix = 0  # ids[prefix:read] were decoded already; they give the next window its context
         self.read = 0  # ids[:read] are in the text
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def add(self, new: list[int]) -> str:
         """The text that `new` adds; empty while it ends inside a character."""

@@ -28,17 +28,19 @@ their drafts made, the others draft again. Outputs are the sequential round's, t
 
 import itertools
 import logging
+import random
 import time
 from collections import deque
 from dataclasses import replace
 
 import torch
 
-from fly_serve.contracts import Drafter, Drafts, RoundResult, Row, RowChat, RowGrammar, Scorer
+from fly_serve.contracts import Drafter, Drafts, RoundResult, Row, RowChat, RowGrammar, RowTokens, Scorer
 from fly_serve.decision.grammar import GrammarFailed, Grammars, Matcher
 from fly_serve.decision.verify import decide, plausible_mask, window_positions
 from fly_serve.drafting.draft_ahead import Ahead, DraftAhead, Sequential, Stages, bets
 from fly_serve.drafting.drafters import LookupDrafter, PromptLookup, SourceDrafter
+from fly_serve.drafting.prompt_lookup import LookupIndexes
 from fly_serve.drafting.suffix_index import SuffixIndex
 from fly_serve.drafting.token_recycling import TokenRecycling
 from fly_serve.k_auto.allocator import RowInfo
@@ -96,10 +98,17 @@ class Request:
         self.chat: RowChat | None = None  # a chat request's conversation (a drafter of another tokenizer renders it)
         self.drafter: str | None = None  # the model drafter drafting it now (by name; None: the default)
         self.drafter_seen: dict[str | None, int] = {}  # per model drafter, the tokens it had when it last drafted
+        # The seed of its draws (sampling.py: keyed by seed and position, shared by drafter and
+        # target); a request without one gets a random one here, once
+        self.seed = params.seed if params.seed is not None else random.getrandbits(63)
 
     @property
     def generated(self) -> list[int]:
         return self.tokens[self.n_prompt :]
+
+    @property
+    def n_generated(self) -> int:
+        return len(self.tokens) - self.n_prompt
 
     @property
     def finished(self) -> bool:
@@ -142,17 +151,23 @@ class Engine:
         named = drafter if isinstance(drafter, dict) else {} if drafter is None else {DEFAULT_DRAFTER_NAME: drafter}
         self.drafter_names: tuple[str, ...] = tuple(named)
         self.others: dict[str, Drafter] = dict(list(named.items())[1:])
+        # Prompt lookup's index of each running row's n-grams, grown as the row grows (O(new
+        # tokens) a round, prompt_lookup.py), shared by its free drafts, the pld mode and the
+        # model drafter's MLA level in this process
+        self.lookups = LookupIndexes()
         self.drafters: dict[str, Drafter | None] = {
-            "pld": LookupDrafter(),
+            "pld": LookupDrafter(indexes=self.lookups),
             "suffix": SourceDrafter(self.suffix_index),
             "recycle": SourceDrafter(self.recycler),
             "model": next(iter(named.values()), None),
         }
         for d in named.values():  # each drafter says what it does with them (contracts.Drafter)
-            d.share_sources({"suffix": self.suffix_index, "recycle": self.recycler})
+            d.share_sources(
+                {"suffix": self.suffix_index, "recycle": self.recycler, "pld": PromptLookup(indexes=self.lookups)}
+            )
         # A model row's free alternative (_free_offer) looks up at least two tokens of context: a
         # one-token match proposes mostly noise in prose, and each try costs a wider verification.
-        self.free_lookup = PromptLookup(min_n=2)
+        self.free_lookup = PromptLookup(min_n=2, indexes=self.lookups)
         self.eos_ids = set(eos_ids)
         self.grammars = Grammars(tokenizer, scorer.vocab_size, self.eos_ids)  # structured output
         # whether the model drafter drafts under a row's grammar (its drafts then legal, so a
@@ -407,7 +422,7 @@ class Engine:
             result.loosely_accepted += loose
             result.emitted += committed[b]
             if loose:
-                req.stats.note_loose(len(req.generated) - committed[b], loosely[b], committed[b])
+                req.stats.note_loose(req.n_generated - committed[b], loosely[b], committed[b])
             hit, draft_hit = _at(verdict.prefix_hit_tokens, b), _at(drafts.prefix_hit_tokens, b)
             req.stats.add_prefix_hits(hit, draft_hit)
             result.prompt_tokens += req.n_prompt if req.stats.rounds == 1 else 0
@@ -494,7 +509,7 @@ class Engine:
         """The most drafts a round may give the request once n_new more tokens are committed: a
         round emits at most k + 1, never past max_tokens or the context."""
         p = req.params
-        return min(p.max_tokens - len(req.generated), self.max_model_len - len(req.tokens)) - n_new - 1
+        return min(p.max_tokens - req.n_generated, self.max_model_len - len(req.tokens)) - n_new - 1
 
     def _next_k(self, req: Request, k_now: int, n_new: int) -> int:
         """The k a row gets next round if this one commits n_new tokens (as _row computes it; a k
@@ -568,8 +583,9 @@ class Engine:
         """Up to row.k drafts from the row's first MLA source that proposes any (drafters.py),
         with the source's name."""
         sources = {"pld": self.free_lookup, "suffix": self.suffix_index, "recycle": self.recycler}
+        tokens = RowTokens.of(row)
         for name in row.mla_sources:
-            got = sources[name].propose(row.tokens, row.k)
+            got = sources[name].propose(tokens, row.k)
             if got:
                 return name, got
         return None, []
@@ -587,7 +603,7 @@ class Engine:
             p.mla,
             p.temperature,
             p.top_p,
-            p.seed,
+            req.seed,
             entropy,
             rho=rho,
             row_share=self.policy.row_share(),
@@ -683,13 +699,17 @@ class Engine:
         the context, Token Recycling's "trash")."""
         if verdict.topk is None:
             return
-        fed, ids = [], []
-        for b, (row, d) in enumerate(zip(rows, drafts.tokens)):
-            fed += [row.tokens[-1], *d]
-            ids.append(verdict.topk[b, : len(d) + 1])
-        self.recycler.observe(fed, torch.cat(ids))
+        if not any(drafts.tokens):  # an ar step: one position a row
+            self.recycler.observe([row.tokens[-1] for row in rows], verdict.topk[:, 0])
+            return
+        fed = [t for row, d in zip(rows, drafts.tokens) for t in (row.tokens[-1], *d)]
+        n = torch.tensor([len(d) + 1 for d in drafts.tokens])
+        verified = torch.arange(verdict.topk.shape[1])[None, :] < n[:, None]  # [B, K+1], row-major as fed
+        self.recycler.observe(fed, verdict.topk[verified])
 
     def _decide(self, batch: list[Request], drafts: Drafts, verdict):
+        if not any(drafts.tokens):  # an ar step (k 0 everywhere): nothing to decide
+            return torch.zeros(len(batch), dtype=torch.long), torch.zeros(len(batch), 0, dtype=torch.bool)
         n = torch.tensor([len(d) for d in drafts.tokens])
         theta = torch.tensor([r.params.theta if r.params.mode_spec.loose else 1.0 for r in batch])
         check, span = zip(*(window_positions(r.params.effective_window, r.params.window_rule) for r in batch))
@@ -700,9 +720,10 @@ class Engine:
     def _plausible(batch: list[Request], verdict) -> torch.Tensor | None:
         """The plausibility guard [B, K] of rows with rho > 0 (None: no row has one). A scorer
         that reports no ratio leaves those rows strict: a guard asked for is never skipped."""
-        rho = torch.tensor([float(r.params.rho) if r.params.mode_spec.loose else 0.0 for r in batch])
-        if not (rho > 0).any():
+        rho = [float(r.params.rho) if r.params.mode_spec.loose else 0.0 for r in batch]
+        if not any(rho):
             return None
+        rho = torch.tensor(rho)
         if verdict.plausibility is None:
             return (rho == 0)[:, None].expand_as(verdict.ok)
         return plausible_mask(verdict.plausibility, rho)
@@ -710,7 +731,7 @@ class Engine:
     def _commit(self, req: Request, new: list[int]) -> int:
         """Append a round's tokens, applying EOS, max_tokens and stop strings; returns how many."""
         p = req.params
-        new = new[: p.max_tokens - len(req.generated)]
+        new = new[: p.max_tokens - req.n_generated]
         for i, t in enumerate(new):
             if t in self.eos_ids:
                 new, req.finish_reason = new[:i], "stop"
@@ -727,12 +748,12 @@ class Engine:
         req.stats.emitted += len(new)
         searched = len(req.text)  # text already searched for stop strings
         req.text += req.detokenizer.add(new)
-        if req.finished or len(req.generated) >= p.max_tokens:
+        if req.finished or req.n_generated >= p.max_tokens:
             req.text += req.detokenizer.flush()
         cut = find_stop(req.text, p.stop, searched)
         if cut is not None:
             req.text, req.finish_reason = req.text[:cut], "stop"
-        if not req.finished and len(req.generated) >= p.max_tokens:
+        if not req.finished and req.n_generated >= p.max_tokens:
             req.finish_reason = "length"
         return len(new)
 
@@ -743,6 +764,7 @@ class Engine:
         done = [r.id for r in finished]
         self.running = [r for r in self.running if not r.finished]
         self.pipeline.forget(done)
+        self.lookups.release(done)
         for req in finished:
             if req.finish_reason != "error":  # an aborted output is still the target's text
                 self.suffix_index.add(req.tokens)

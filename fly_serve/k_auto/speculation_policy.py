@@ -60,6 +60,7 @@ forwards, about twice an ar round, for one row's measurement.)
 
 import logging
 import math
+from collections import OrderedDict
 from dataclasses import dataclass, replace
 
 from .acceptance import AcceptanceTracker
@@ -72,6 +73,8 @@ log = logging.getLogger("fly_serve.k_auto.speculation_policy")
 
 FREE = "\x00free"
 DRAFTER = "\x00d:"
+PLANS_KEPT = 8  # recent plans remembered by their inputs (SpeculationPolicy._plan)
+ESTIMATE_DIGITS = 2  # a tracked acceptance or tokens per forward as the plan reads it (choose)
 
 
 @dataclass
@@ -148,6 +151,8 @@ class SpeculationPolicy:
         self.max_probe_every = max(max_probe_every, probe_every)
         self.probe_budget = probe_budget
         self._gap: dict[str, int] = {}
+        self._priced: dict[str, int] = {}  # the budget's gap as last priced, per idle row (_due)
+        self._plans: OrderedDict = OrderedDict()  # recent plans by their inputs (_plan)
         self.width_every = width_every
         self._batch_rounds = 0  # rounds of 2+ rows chosen (the width steps' clock)
         self.width_steps = 0  # rounds whose width was stepped since the start (the service's stats)
@@ -221,11 +226,15 @@ class SpeculationPolicy:
         return self._probe(rows, self._step_width(rows, list(self.last.ks), cost))
 
     def _with_history(self, r: RowInfo) -> RowInfo:
-        """The row with its unset acceptance and tokens per forward from its key's rounds."""
+        """The row with its unset acceptance and tokens per forward from its key's rounds. A
+        tracked estimate is a decayed count of a few drafts: read at two decimals, so that a round
+        whose rows only aged (k 0 rows drifting back to the prior) is one the plan has seen (_plan
+        remembers plans by their inputs)."""
+        tracker = self.tracker
         return replace(
             r,
-            acceptance=self.tracker.estimate(r.key) if r.acceptance is None else r.acceptance,
-            tokens_per_forward=r.tokens_per_forward or self.tracker.tokens_per_forward(r.key),
+            acceptance=round(tracker.estimate(r.key), ESTIMATE_DIGITS) if r.acceptance is None else r.acceptance,
+            tokens_per_forward=r.tokens_per_forward or round(tracker.tokens_per_forward(r.key), ESTIMATE_DIGITS),
         )
 
     def _pick_drafters(self, rows: list[RowInfo]) -> list[RowInfo]:
@@ -276,21 +285,42 @@ class SpeculationPolicy:
         every one free, and free only the rows the model plan leaves at k = 0; the best rate wins.
         A free row's acceptance is tracked apart from its model drafts (free_key)."""
         free = [False] * len(rows)
-        best = plan(rows, cost, overlap=self.overlap)
+        best = self._plan(rows, cost)
         if not any(r.free_k > 0 and not r.fixed for r in rows):
             return best, rows, free
         chosen, model_ks = rows, best.ks
         for only_idle in (False, True):
             use = [r.free_k > 0 and not r.fixed and (not only_idle or model_ks[b] == 0) for b, r in enumerate(rows)]
             alt = [self._as_free(r) if u else r for r, u in zip(rows, use)]
-            p = plan(alt, cost, overlap=self.overlap)
+            p = self._plan(alt, cost)
             if p.rate > best.rate * (1 + 1e-9):
                 best, chosen, free = p, alt, use
         return best, chosen, free
 
+    def _plan(self, rows: list[RowInfo], cost: RoundCostModel) -> Plan:
+        """allocator.plan, remembered for the last few inputs: a round whose rows, acceptances
+        and cost model are those of a recent one (a batch of rows left at k = 0, whose estimates
+        sit at the prior) gets the same plan without computing it again. Exact: the key is every
+        input plan reads."""
+        key = (
+            cost,
+            self.overlap,
+            tuple((r.limit, r.source, r.acceptance, r.tokens_per_forward, r.fixed) for r in rows),
+        )
+        got = self._plans.get(key)
+        if got is None:
+            got = self._plans[key] = plan(rows, cost, overlap=self.overlap)
+            if len(self._plans) > PLANS_KEPT:
+                self._plans.popitem(last=False)
+        else:
+            self._plans.move_to_end(key)
+        return got
+
     def _as_free(self, r: RowInfo) -> RowInfo:
         key = free_key(r.key)
-        return RowInfo(key, r.free_k, PLD, self.tracker.estimate(key), 1.0, fixed=False, drafter=r.drafter)
+        return RowInfo(
+            key, r.free_k, PLD, round(self.tracker.estimate(key), ESTIMATE_DIGITS), 1.0, fixed=False, drafter=r.drafter
+        )
 
     def cost_for(self, n_rows: int) -> RoundCostModel:
         """The model a round of n_rows is planned from: the frozen one for a row alone, UnderLoad's
@@ -326,6 +356,7 @@ class SpeculationPolicy:
         for r, k in zip(rows, ks):
             if r.fixed or r.source == NONE or r.limit <= 0 or k > 0:
                 idle.pop(r.key, None)
+                self._priced.pop(r.key, None)
                 if k > 0 and not r.fixed:  # the plan drafts it: probes again at the shortest gap
                     self._gap.pop(r.key, None)
             else:
@@ -333,7 +364,8 @@ class SpeculationPolicy:
         due = [  # the stored gap first: the budget's price is read only for a row past it
             b
             for b, r in enumerate(rows)
-            if idle.get(r.key, 0) > self._gap.get(r.key, self.probe_every) and idle[r.key] > self._gap_of(r)
+            if idle.get(r.key, 0) > max(self._gap.get(r.key, self.probe_every), self._priced.get(r.key, 0))
+            and self._due(r)
         ]
         due.sort(key=lambda b: -idle[rows[b].key])  # stable: batch order among equals
         self._batch_quiet += batch
@@ -344,6 +376,7 @@ class SpeculationPolicy:
         k_probe = max(width, 1) if batch else self.probe_k
         for b in due:
             ks[b], idle[rows[b].key] = min(k_probe, self.probe_k, rows[b].limit), 0
+            self._priced.pop(rows[b].key, None)
             if self.frozen:  # else the probes feed the cost check too, which needs them regular
                 # the drafter has caught up once it probes: the catch-up is priced anew (_gap_of)
                 doubled = min(2 * self._gap.get(rows[b].key, self.probe_every), self.max_probe_every)
@@ -352,6 +385,14 @@ class SpeculationPolicy:
             self._batch_quiet = 0
         self.probes += len(due)
         return ks
+
+    def _due(self, row: RowInfo) -> bool:
+        """Whether a row past its stored gap is past its budget's too. The budget's gap only grows
+        while the row waits (its drafter lag grows), so it is priced again only once the row's
+        idle rounds pass the gap last priced: a round of idle rows prices none of them."""
+        gap = self._gap_of(row)
+        self._priced[row.key] = gap
+        return self._idle[row.key] > gap
 
     def _gap_of(self, row: RowInfo) -> int:
         """Rounds a row waits at k = 0 before its next probe: probe_every, doubled after each
@@ -386,8 +427,15 @@ class SpeculationPolicy:
         model = [kind == MODEL for kind in t.kinds]
         per_row = t.row_forwards if t.row_forwards is not None else [None] * len(t.keys)
         now = [not a for a in t.ahead] if t.ahead is not None else [True] * len(t.keys)
-        self.tracker.observe_round(t.keys, t.drafted, t.kept, [f if m else None for f, m in zip(per_row, model)])
-        for key in t.keys:  # a model row's other sources age too, so that one bad round is not forever
+        drafting = [b for b, kind in enumerate(t.kinds) if kind != NONE]  # a plain row has nothing to learn
+        self.tracker.observe_round(
+            [t.keys[b] for b in drafting],
+            [t.drafted[b] for b in drafting],
+            [t.kept[b] for b in drafting],
+            [per_row[b] if model[b] else None for b in drafting],
+        )
+        for b in drafting:  # a model row's other sources age too, so that one bad round is not forever
+            key = t.keys[b]
             for other in self._sources_of(key):
                 if other != key:
                     self.tracker.age(other)
@@ -453,4 +501,5 @@ class SpeculationPolicy:
                 self.tracker.forget(k)
                 self._idle.pop(k, None)
                 self._gap.pop(k, None)
+                self._priced.pop(k, None)
                 self._probing.discard(k)

@@ -62,14 +62,22 @@ class KVCacheFull(RuntimeError):
         super().__init__(f"KV cache full: {key!r} needs {needed} more blocks, {free} free")
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
+def common_prefix(a: list[int], b: list[int], start: int = 0) -> int:
+    """How many leading tokens a and b share, given that the first `start` are equal."""
     n = min(len(a), len(b))
-    if a[:n] == b[:n]:  # the usual case (a round appended tokens): one C-level compare
+    if start >= n:
         return n
-    i = 0
+    if a[start:n] == b[start:n]:  # the usual case (a round appended tokens): one C-level compare
+        return n
+    i = start
     while a[i] == b[i]:
         i += 1
     return i
+
+
+def final_of(tokens) -> int:
+    """The leading tokens a caller declares committed for its key (contracts.RowTokens.final)."""
+    return getattr(tokens, "final", 0)
 
 
 def budget_from_device(fraction: float, device) -> int:
@@ -113,19 +121,26 @@ def block_hash(parent: bytes, tokens: list[int]) -> bytes:
 
 @dataclass
 class _Edit:
-    """What plan() will do to one row, worked out before anything changes (all or nothing)."""
+    """What plan() will do to one row, worked out before anything changes (all or nothing). Only
+    the row's blocks from `lo` on change: the work is O(new tokens), whatever the context."""
 
     start: int  # positions [0, start) are valid after the plan
-    blocks: list[int]  # the row's blocks after the plan; FRESH: one to take
-    hashes: list[bytes]  # chained hashes of its leading full valid blocks
+    lo: int  # the row's first `lo` blocks stay as they are
+    tail: list[int]  # its blocks from lo on after the plan; FRESH: one to take
+    hashes: list[bytes]  # chained hashes of the full blocks it adopts (after its first `lo`)
     adopted: list[int] = field(default_factory=list)  # blocks taken from the registry (ref + 1)
     released: list[int] = field(default_factory=list)  # blocks it lets go of (ref - 1)
     written: list[int] = field(default_factory=list)  # own blocks it writes into (leave the registry)
     copy_from: int | None = None  # the first fresh block starts as a copy of this one (copy-on-write)
+    held: int = 0  # the record's leading tokens equal to the row's before the plan (kept in place)
 
     @property
     def fresh(self) -> int:
-        return self.blocks.count(FRESH)
+        return self.tail.count(FRESH)
+
+    @property
+    def n_blocks(self) -> int:
+        return self.lo + len(self.tail)
 
 
 FRESH = -1  # in an _Edit's blocks: a block still to take
@@ -139,6 +154,9 @@ class SeqRecord:
     tokens: list[int] = field(default_factory=list)
     blocks: list[int] = field(default_factory=list)
     hashes: list[bytes] = field(default_factory=list)
+    # Leading tokens known to be committed tokens of the key (a caller's RowTokens.final, up to
+    # what the record held of them): a later row of the key is compared only past them.
+    final: int = 0
 
 
 class BlockPool:
@@ -292,9 +310,15 @@ class KVCache:
 
     # ---- the content rule
     def valid(self, key: str, tokens: list[int]) -> int:
-        """How many of `tokens` the key's sequence already holds (0 for an unknown key)."""
+        """How many of `tokens` the key's sequence already holds (0 for an unknown key). Where
+        tokens declare their committed part (contracts.RowTokens.final), the tokens both know to
+        be committed are equal (a key's committed tokens never change), and only the rest is
+        compared: O(new tokens), not O(context)."""
         s = self.seq_of.get(key)
-        return 0 if s is None else common_prefix(self.seqs[s].tokens, tokens)
+        if s is None:
+            return 0
+        r = self.seqs[s]
+        return common_prefix(r.tokens, tokens, min(r.final, final_of(tokens)))
 
     @torch.inference_mode()
     def plan(
@@ -328,7 +352,7 @@ class KVCache:
         short = min(self.n_blocks - self.pool.allocated, need - len(self.pool.free))
         if short > 0:
             self._grow(short)
-        self._fit_table(sum(key not in self.seq_of for key in keys), max((len(e.blocks) for e in edits), default=0))
+        self._fit_table(sum(key not in self.seq_of for key in keys), max((e.n_blocks for e in edits), default=0))
 
         for key in victims:
             self._drop(key)
@@ -375,16 +399,17 @@ class KVCache:
     def _edit(self, key: str, toks: list[int], start_cap: tuple[int, int], avoid: set) -> _Edit:
         """One row's plan, nothing changed yet: keep its valid blocks, adopt cached full blocks
         after them (none in `avoid`), and write the rest into blocks it alone holds (fresh ones
-        where a block is shared)."""
+        where a block is shared). Reads only the row's blocks from its valid prefix's on."""
         bs, (start, cap) = self.block_size, start_cap
         s = self.seq_of.get(key)
-        old = [] if s is None else self.seqs[s].blocks
+        r = None if s is None else self.seqs[s]
+        old = [] if r is None else r.blocks
         lo = start // bs  # blocks [0, lo) hold only valid positions: kept as they are
-        hashes = [] if s is None else self.seqs[s].hashes[:lo]
-        adopted = []
+        adopted, hashes = [], []
         if self.prefix_cache:
+            parent = r.hashes[lo - 1] if r is not None and 0 < lo <= len(r.hashes) else b""
             for i in range(lo, cap // bs):  # only blocks that end at or before cap
-                h = block_hash(hashes[-1] if hashes else b"", toks[i * bs : (i + 1) * bs])
+                h = block_hash(hashes[-1] if hashes else parent, toks[i * bs : (i + 1) * bs])
                 b = self.pool.registry.get(h)
                 if b is None or b in avoid:
                     break
@@ -393,19 +418,19 @@ class KVCache:
         if adopted:
             start = (lo + len(adopted)) * bs
         n_need = cdiv(len(toks), bs)
-        blocks = old[:lo] + adopted
-        e = _Edit(start, blocks, hashes)
-        for i in range(len(blocks), n_need):  # the blocks written into
+        tail = list(adopted)
+        e = _Edit(start, lo, tail, hashes, held=start_cap[0])
+        for i in range(lo + len(tail), n_need):  # the blocks written into
             b = old[i] if i < len(old) else None
             if b is not None and self.pool.ref[b] == 1 and b not in adopted:
-                blocks.append(b)  # its own: written in place
+                tail.append(b)  # its own: written in place
                 e.written.append(b)
             else:
-                blocks.append(FRESH)
+                tail.append(FRESH)
                 if b is not None and i * bs < start:  # shared, and its head is still valid
                     e.copy_from = b
         e.adopted = [b for i, b in enumerate(adopted) if i + lo >= len(old) or old[i + lo] != b]
-        kept = set(blocks) | {e.copy_from}  # a copy's source is let go of after every copy (plan)
+        kept = set(tail) | {e.copy_from}  # a copy's source is let go of after every copy (plan)
         e.released = [b for b in old[lo:] if b not in kept]
         return e
 
@@ -504,21 +529,29 @@ class KVCache:
         return s
 
     def _apply(self, seq: int, e: _Edit, toks: list[int]):
-        """The row's new blocks, tokens and hashes (its releases and adoptions already done)."""
-        blocks = list(e.blocks)
-        for i, b in enumerate(blocks):
+        """The row's new blocks, tokens and hashes (its releases and adoptions already done), in
+        place from block e.lo on: O(new tokens)."""
+        tail = list(e.tail)
+        for i, b in enumerate(tail):
             if b == FRESH:
-                blocks[i] = self.pool.take()
-                if e.copy_from is not None and i == e.start // self.block_size:  # the first fresh one
-                    self._copy(e.copy_from, blocks[i])
+                tail[i] = self.pool.take()
+                if e.copy_from is not None and e.lo + i == e.start // self.block_size:  # the first fresh one
+                    self._copy(e.copy_from, tail[i])
         r = self.seqs[seq]
-        n_old = len(r.blocks)
-        self.table[seq, len(blocks) : max(n_old, len(blocks))] = SCRATCH
-        if blocks:
-            self.table[seq, : len(blocks)] = torch.tensor(blocks)
-        r.blocks = blocks
-        r.tokens = toks[: e.start]  # adopted blocks hold the row's own tokens (their hash)
-        r.hashes = e.hashes
+        n_old, lo = len(r.blocks), e.lo
+        if r.blocks[lo : lo + len(tail)] != tail:  # the block table changes only where the blocks do
+            self.table[seq, lo : lo + len(tail)] = torch.tensor(tail, dtype=torch.long)
+        if n_old > lo + len(tail):
+            self.table[seq, lo + len(tail) : n_old] = SCRATCH
+        del r.blocks[lo:]
+        r.blocks.extend(tail)
+        # Its first `held` tokens already are the row's; adopted blocks hold the row's own tokens
+        # (their hash)
+        del r.tokens[e.held :]
+        r.tokens.extend(toks[e.held : e.start])
+        r.final = min(final_of(toks), e.start)
+        del r.hashes[lo:]
+        r.hashes.extend(e.hashes)
 
     def _drop(self, key: str):
         s = self.seq_of.pop(key, None)

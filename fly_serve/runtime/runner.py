@@ -232,20 +232,19 @@ class Runner:
         (not in keys or protect) may be evicted to make room."""
         limits = None if tail is None else [len(t) - n for t, n in zip(tokens, tail)]
         plans = self.cache.plan(keys, tokens, limits, protect)
-        fed = [len(toks) - start for (_, start), toks in zip(plans, tokens)]
+        new = [toks[start:] for (_, start), toks in zip(plans, tokens)]  # O(new tokens) a row
+        fed = [len(t) for t in new]
         T = max(fed)
-        ids = torch.zeros(len(keys), T, dtype=torch.long)
-        for b, ((_, start), toks) in enumerate(zip(plans, tokens)):
-            ids[b, : fed[b]] = torch.tensor(toks[start:])
-        seqs = torch.tensor([s for s, _ in plans])
+        ids = torch.tensor([t + [0] * (T - len(t)) for t in new], dtype=torch.long)  # [B, T], right-padded
+        seqs = [s for s, _ in plans]
         starts = torch.tensor([st for _, st in plans])
         logits_at = "all" if logits else None
         if logits and tail is not None:  # row b's last tail[b] tokens start at fed[b] - tail[b]
             offsets = torch.tensor([f - n for f, n in zip(fed, tail)])
             logits_at = (offsets[:, None] + torch.arange(max(tail))[None, :]).clamp(max=T - 1)
         out = self.forward(seqs, starts, ids, logits_at)
-        for (s, start), toks in zip(plans, tokens):  # only now: a forward that failed wrote nothing valid
-            self.cache.wrote(s, toks[start:])
+        for s, t in zip(seqs, new):  # only now: a forward that failed wrote nothing valid
+            self.cache.wrote(s, t)
         return out, fed
 
     def catch_up(self, keys: list[str], tokens: list[list[int]], max_lag: int = 1):
