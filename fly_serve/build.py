@@ -122,16 +122,7 @@ def load_drafter(config: EngineConfig, device=None, progress=print, name: str | 
     if name is not None and name not in specs:
         raise ValueError(f"drafter: no drafter named {name!r} (drafters: {', '.join(specs)})")
     spec = specs[name] if name is not None else next(iter(specs.values()))
-    model = load_model(
-        spec.model,
-        config.drafter_precision,
-        progress=progress,
-        head_cut=config.drafter_head_cut,
-        device=device,
-        runtime=config.runtime,
-        knob="drafter_precision",
-        cpu_auto=DRAFTER_CPU_AUTO,
-    )
+    model = load_drafter_model(spec.model, config, device, progress)
     drafter_tok = load_tokenizer(spec.model, progress)
     inner = drafter_for(model, config, len(drafter_tok))
     return drafter_part(inner, load_tokenizer(config.target, progress), drafter_tok, spec)
@@ -277,21 +268,26 @@ def _named_drafters(drafter, config: EngineConfig) -> dict[str, tuple]:
     return {DEFAULT_DRAFTER_NAME: (drafter, DrafterSpec("loaded"))}
 
 
+def load_drafter_model(name: str, config: EngineConfig, device, progress):
+    """A draft model by name at the config's drafter precision, head cut and runtime."""
+    return load_model(
+        name,
+        config.drafter_precision,
+        progress=progress,
+        head_cut=config.drafter_head_cut,
+        device=device,
+        runtime=config.runtime,
+        knob="drafter_precision",
+        cpu_auto=DRAFTER_CPU_AUTO,
+    )
+
+
 def _drafter(target_model, model, spec: DrafterSpec, config: EngineConfig, tokenizer, device, progress):
     """One drafter of build_engine: loaded by name (with its own tokenizer), or as given (a model
     of the target's tokenizer, or (model, tokenizer))."""
     if isinstance(model, str):
         drafter_tok = load_tokenizer(model, progress)
-        model = load_model(
-            model,
-            config.drafter_precision,
-            progress=progress,
-            head_cut=config.drafter_head_cut,
-            device=device,
-            runtime=config.runtime,
-            knob="drafter_precision",
-            cpu_auto=DRAFTER_CPU_AUTO,
-        )
+        model = load_drafter_model(model, config, device, progress)
         check_widths(target_model, model, tokenizer, drafter_tok)
         return drafter_part(drafter_for(model, config, len(drafter_tok)), tokenizer, drafter_tok, spec)
     if config.drafter_head_cut is not None:  # cutting a caller's model in place would surprise it

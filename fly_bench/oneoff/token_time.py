@@ -19,12 +19,16 @@ chat prompts, greedy, on the same GGUF files and kernels, one request at a time.
 - **llama-server** (`--peer`): its own timings (`predicted_per_token_ms`: its decode and sampling a
   token; `prompt_ms`) beside the client's time per token and TTFT.
 Methods: `ar` (plain decoding) and `default` (the profile's own defaults: k auto, strict). Each cell
-runs `--repeats` times, one after the other, and reports its median; the places run one after the
-other (the one process in a child process, so that its threads are gone before Serve starts).
+runs `--repeats` times, one after the other, and reports its median; every run's prompt has a
+number of its own in front (`fresh`), so no cache holds it and every TTFT is a prefill; the places
+run one after the other (the one process in a child process, so that its threads are gone before
+Serve starts), so a drift of the machine between them reads as a difference: ratios between places
+are rougher than within one.
 """
 
 import argparse
 import contextlib
+import itertools
 import json
 import subprocess
 import sys
@@ -40,6 +44,16 @@ from fly_bench.prompts import TASKS
 from fly_bench.report import write_results
 
 METHODS = {"ar": {"mode": "ar"}, "default": {}}
+_NONCE = itertools.count(1)
+
+
+def fresh(text: str) -> str:
+    """The prompt with a number of its own in front: no run finds its prompt in a cache (ours or
+    llama-server's) that an earlier run left, so every TTFT prefills it (the chat template's
+    system part before it may be cached on both sides alike)."""
+    return f"(#{next(_NONCE)}) {text}"
+
+
 PARTS = ("llama_decode", "read_out", "scorer", "drafter", "drafter_decode", "decide", "commit", "round_rest")
 
 
@@ -129,7 +143,10 @@ def engine_run(engine, timers: Timers, ids: list[int], knobs: dict, max_tokens: 
     }
 
 
-def in_process(config: str, prompts: list[str], max_tokens: int, repeats: int) -> dict:
+def in_process(config: str, prompts: list[str], max_tokens: int, repeats: int, paired: bool = False) -> dict:
+    """The one process's cells; paired: llama-server's too, its runs taking turns with the
+    engine's (a peer run, then each method's, `repeats` times), so the machine's drift falls on
+    both alike (cells "llama-server/<prompt>")."""
     from fly_serve.build import build_engine
     from fly_serve.engine.prompts import chat_prompt
 
@@ -137,12 +154,24 @@ def in_process(config: str, prompts: list[str], max_tokens: int, repeats: int) -
     engine = build_engine(c.target, c.drafter, config=c)
     timers = instrument(engine)
     out = {}
-    for prompt in prompts:
-        ids = chat_prompt(engine.tokenizer, TASKS[prompt])
-        for method, knobs in METHODS.items():
-            engine_run(engine, timers, ids, knobs, 8)  # warm-up
-            runs = [engine_run(engine, timers, ids, knobs, max_tokens) for _ in range(repeats)]
-            out[f"{method}/{prompt}"] = median_run(runs)
+    with contextlib.ExitStack() as stack:
+        server = stack.enter_context(peer_server()) if paired else None
+        for prompt in prompts:
+            runs = defaultdict(list)
+            for knobs in METHODS.values():
+                engine_run(engine, timers, chat_prompt(engine.tokenizer, fresh(TASKS[prompt])), knobs, 8)  # warm-up
+            if server is not None:
+                peer_run(server, prompt, 8)
+            for _ in range(repeats):
+                if server is not None:
+                    runs["llama-server"].append(peer_run(server, prompt, max_tokens))
+                for method, knobs in METHODS.items():
+                    ids = chat_prompt(engine.tokenizer, fresh(TASKS[prompt]))
+                    runs[method].append(engine_run(engine, timers, ids, knobs, max_tokens))
+            for name, got in runs.items():
+                out[f"{name}/{prompt}"] = median_run(got)
+        if server is not None:
+            out["command"] = server.command
     timers.undo()
     return out
 
@@ -155,9 +184,10 @@ def median_run(runs: list[dict]) -> dict:
     return mid
 
 
-def in_process_child(config: str, prompts: list[str], max_tokens: int, repeats: int) -> dict:
+def in_process_child(config: str, prompts: list[str], max_tokens: int, repeats: int, paired: bool) -> dict:
     cmd = [sys.executable, "-m", __spec__.name, "--in-process-only", "--config", config]
     cmd += ["--prompts", *prompts, "--max-tokens", str(max_tokens), "--repeats", str(repeats)]
+    cmd += ["--paired"] if paired else []
     done = subprocess.run(cmd, check=True, capture_output=True, text=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -245,8 +275,8 @@ def served(config: str, prompts: list[str], max_tokens: int, repeats: int, port:
         out["idle_cpu_ms_per_s"] = {k: 1000 * (after[k] - before.get(k, 0.0)) / idle_s for k in after}
         for prompt in prompts:
             for method, knobs in METHODS.items():
-                stream_chat(url, TASKS[prompt], knobs, 8)  # warm-up
-                runs = [served_run(url, root, TASKS[prompt], knobs, max_tokens) for _ in range(repeats)]
+                stream_chat(url, fresh(TASKS[prompt]), knobs, 8)  # warm-up
+                runs = [served_run(url, root, fresh(TASKS[prompt]), knobs, max_tokens) for _ in range(repeats)]
                 out[f"{method}/{prompt}"] = median_run(runs)
     return out
 
@@ -262,34 +292,42 @@ def _server_pid(port: int) -> int:
 
 
 # ---- llama-server
-def peer(prompts: list[str], max_tokens: int, repeats: int) -> dict:
+def peer_server():
+    """llama-server on the target's GGUF (fly_bench.llama_server: the runtime's repack rule, 2
+    threads), not started yet (a context manager)."""
     from fly_bench.llama_server import LlamaServer
-    from fly_serve.engine.prompts import chat_prompt
-    from fly_serve.loading.loading import load_tokenizer
     from fly_serve.loading.weights import DEFAULT_TARGET, gguf_file
 
+    return LlamaServer(gguf_file(DEFAULT_TARGET))
+
+
+def peer_run(server, prompt: str, max_tokens: int) -> dict:
+    """One streamed completion of the prompt (fresh), its prompt cache on as llama-server's API
+    has it by default."""
+    from fly_serve.engine.prompts import chat_prompt
+    from fly_serve.loading.loading import load_tokenizer
+    from fly_serve.loading.weights import DEFAULT_TARGET
+
     tokenizer = load_tokenizer(DEFAULT_TARGET, print)
+    c = server.complete(chat_prompt(tokenizer, fresh(TASKS[prompt])), max_tokens, cache_prompt=True)
+    n = len(c.token_ids)
+    return {
+        "tokens": n,
+        "ttft_ms": 1000 * c.ttft_s,
+        "ms_per_token": 1000 * (c.wall_s - c.ttft_s) / max(n - 1, 1),
+        "server_ms_per_token": c.timings.get("predicted_per_token_ms"),
+        "server_prompt_ms": c.timings.get("prompt_ms"),
+        "text": c.text,
+    }
+
+
+def peer(prompts: list[str], max_tokens: int, repeats: int) -> dict:
     out = {}
-    with LlamaServer(gguf_file(DEFAULT_TARGET)) as server:
+    with peer_server() as server:
         out["command"] = server.command
         for prompt in prompts:
-            ids = chat_prompt(tokenizer, TASKS[prompt])
-            server.complete(ids, 8)  # warm-up
-            runs = []
-            for _ in range(repeats):
-                c = server.complete(ids, max_tokens)
-                n = len(c.token_ids)
-                runs.append(
-                    {
-                        "tokens": n,
-                        "ttft_ms": 1000 * c.ttft_s,
-                        "ms_per_token": 1000 * (c.wall_s - c.ttft_s) / max(n - 1, 1),
-                        "server_ms_per_token": c.timings.get("predicted_per_token_ms"),
-                        "server_prompt_ms": c.timings.get("prompt_ms"),
-                        "text": c.text,
-                    }
-                )
-            out[f"llama-server/{prompt}"] = median_run(runs)
+            peer_run(server, prompt, 8)  # warm-up
+            out[f"llama-server/{prompt}"] = median_run([peer_run(server, prompt, max_tokens) for _ in range(repeats)])
     return out
 
 
@@ -329,18 +367,27 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--served", action="store_true", help="also through `fly-serve serve`")
     p.add_argument("--peer", action="store_true", help="also llama-server on the target's GGUF")
+    p.add_argument(
+        "--paired",
+        action="store_true",
+        help="llama-server's runs take turns with the one process's, in its child (the ratio that drift spares)",
+    )
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--idle-s", type=float, default=10.0, help="seconds the idle service is watched")
     p.add_argument("--out", default="bench_out/token_time")
     p.add_argument("--in-process-only", action="store_true", help=argparse.SUPPRESS)  # the child's phase
     args = p.parse_args()
     if args.in_process_only:
-        print(json.dumps(in_process(args.config, args.prompts, args.max_tokens, args.repeats)))
+        print(json.dumps(in_process(args.config, args.prompts, args.max_tokens, args.repeats, args.paired)))
         return
     from fly_bench.oneoff.served_vs_engine import cpu
 
     result = {"cpu": cpu()[0], "max_tokens": args.max_tokens, "prompts": args.prompts, "places": {}}
-    cells = {"one process": in_process_child(args.config, args.prompts, args.max_tokens, args.repeats)}
+    cells = {"one process": in_process_child(args.config, args.prompts, args.max_tokens, args.repeats, args.paired)}
+    if args.paired:  # the peer's runs that took turns with the one process's
+        one = cells["one process"]
+        result["paired_peer_command"] = one.pop("command")
+        cells["paired llama-server"] = {k: one.pop(k) for k in [k for k in one if k.startswith("llama-server/")]}
     if args.served:
         cells["served"] = served(args.config, args.prompts, args.max_tokens, args.repeats, args.port, args.idle_s)
         result["idle_cpu_ms_per_s"] = cells["served"].pop("idle_cpu_ms_per_s")
@@ -351,7 +398,7 @@ def main() -> None:
         result["places"][prompt] = {
             f"{where} {method}": cells[where][f"{method}/{prompt}"]
             for where in cells
-            for method in (["llama-server"] if where == "llama-server" else METHODS)
+            for method in (["llama-server"] if where.endswith("llama-server") else METHODS)
         }
     write_results(Path(args.out), result, table(result))
 

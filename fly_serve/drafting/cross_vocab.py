@@ -7,11 +7,12 @@ its drafts are turned back into the target's ids by one of two methods:
 
 TLI (token-level intersection)  the drafter's distribution limited to the tokens both
   vocabularies share (vocab_map.py) and renormalised: its logits get -inf off the shared ids
-  (ModelDrafter.limits), so every draft is a shared token and maps to one target id, and q is a
-  distribution over the target's vocabulary that is zero off the shared set. Speculative sampling
-  stays lossless at T > 0 (the target's p/q test and residual make any q exact), and greedy `spd`
-  stays the target's greedy text. What it cannot draft: a token the drafter does not share (the
-  target then recovers it).
+  (ModelDrafter.limits), so every draft is a shared token and maps to one target id. At T > 0 its
+  draws are keyed by the target's numbers (the target ids of its tokens and the target's
+  positions: ModelDrafter.token_keys, position_shift), so a draft is the target's own keyed draw
+  wherever the two distributions agree; the target keeps a draft only where it equals its own
+  draw, lossless for any drafter (sampling.py). Greedy `spd` stays the target's greedy text.
+  What it cannot draft: a token the drafter does not share (the target then recovers it).
 string-level  (greedy rows) the drafter drafts freely in its own vocabulary; its text is
   re-encoded with the target's tokenizer, with a look-behind of the row's last few tokens so that
   the seam tokenizes as the target would (`retokenize`). The drafts are a deterministic proposal
@@ -231,6 +232,10 @@ class CrossVocabDrafter:
                     row_share=r.row_share,
                     mla_sources=r.mla_sources,
                     peek=r.peek,
+                    # no stream token counts as committed (RowTokens.final 0): a stream's tail is
+                    # re-encoded when the target's text changes, and a lost bet's drafts are in
+                    # it, so the drafter's KV cache compares the whole stream every call
+                    guessed=len(stream),
                 )
             )
         if not inner_rows:

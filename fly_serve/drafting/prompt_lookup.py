@@ -6,6 +6,8 @@ contracts.RowTokens with a key is answered by that key's `LookupIndex` instead: 
 every n-gram of its committed tokens, grown as they grow, and a scan of the tokens after them
 (its drafts), O(new tokens) a call, the same answer."""
 
+from collections import OrderedDict
+
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
@@ -79,17 +81,23 @@ class LookupIndex:
 
 class LookupIndexes:
     """A LookupIndex per row key, shared by every prompt lookup of an engine (its free drafts,
-    the pld mode, the model drafter's MLA level); released with the row."""
+    the pld mode, the model drafter's MLA level); released with the row, and at most max_rows
+    kept, least recently used out first: a drafter replica whose release of a row went astray
+    (a pool that changed meanwhile) does not keep its index forever (a row dropped here is
+    indexed again from its tokens on its next call)."""
 
-    def __init__(self, max_n: int = 4):
-        self.max_n = max_n
-        self.by_key: dict[str, LookupIndex] = {}
+    def __init__(self, max_n: int = 4, max_rows: int = 256):
+        self.max_n, self.max_rows = max_n, max_rows
+        self.by_key: OrderedDict[str, LookupIndex] = OrderedDict()
 
     def of(self, key: str, tokens, final: int) -> LookupIndex:
         """The key's index over its first `final` tokens (rebuilt if they are not the ones it saw)."""
         index = self.by_key.get(key)
         if index is None or final < index.covered or (index.covered and tokens[index.covered - 1] != index.check):
             index = self.by_key[key] = LookupIndex(self.max_n)
+            while len(self.by_key) > self.max_rows:
+                self.by_key.popitem(last=False)
+        self.by_key.move_to_end(key)
         index.extend(tokens, final)
         return index
 

@@ -58,6 +58,7 @@ k = 4 every round once the rows were due: each round then verified [8, 5] and ra
 forwards, about twice an ar round, for one row's measurement.)
 """
 
+import copy
 import logging
 import math
 from collections import OrderedDict
@@ -72,6 +73,17 @@ log = logging.getLogger("fly_serve.k_auto.speculation_policy")
 
 
 FREE = "\x00free"
+
+
+def with_fields(r: RowInfo, **changes) -> RowInfo:
+    """dataclasses.replace without running __init__ again (r's fields were checked when it was
+    made): k auto copies every row's info every round, and replace's call costs ~10 us a row, a
+    third of a millisecond a round at 16 rows (fly_bench/host_cost.py, the k-0 round)."""
+    new = copy.copy(r)
+    new.__dict__.update(changes)
+    return new
+
+
 DRAFTER = "\x00d:"
 PLANS_KEPT = 8  # recent plans remembered by their inputs (SpeculationPolicy._plan)
 ESTIMATE_DIGITS = 2  # a tracked acceptance or tokens per forward as the plan reads it (choose)
@@ -218,23 +230,24 @@ class SpeculationPolicy:
     def choose(self, rows: list[RowInfo]) -> list[int]:
         """Every row's k for this round; a row's unset acceptance and tokens per forward come from
         its own earlier rounds."""
-        rows = [self._with_history(replace(r, key=self.key_of(r.key, r.drafter))) for r in rows]
+        rows = [self._with_history(r, self.key_of(r.key, r.drafter)) for r in rows]
         rows = self._pick_drafters(rows)
         self.drafter_of = [r.drafter if r.source == MODEL else None for r in rows]
         cost = self.cost_of(self._round_drafter(rows), len(rows))
         self.last, rows, self.free = self._best_sources(rows, cost)
         return self._probe(rows, self._step_width(rows, list(self.last.ks), cost))
 
-    def _with_history(self, r: RowInfo) -> RowInfo:
-        """The row with its unset acceptance and tokens per forward from its key's rounds. A
-        tracked estimate is a decayed count of a few drafts: read at two decimals, so that a round
-        whose rows only aged (k 0 rows drifting back to the prior) is one the plan has seen (_plan
-        remembers plans by their inputs)."""
-        tracker = self.tracker
-        return replace(
+    def _with_history(self, r: RowInfo, key: str | None = None) -> RowInfo:
+        """The row (under `key`, if given) with its unset acceptance and tokens per forward from
+        its key's rounds. A tracked estimate is a decayed count of a few drafts: read at two
+        decimals, so that a round whose rows only aged (k 0 rows drifting back to the prior) is
+        one the plan has seen (_plan remembers plans by their inputs)."""
+        tracker, key = self.tracker, key or r.key
+        return with_fields(
             r,
-            acceptance=round(tracker.estimate(r.key), ESTIMATE_DIGITS) if r.acceptance is None else r.acceptance,
-            tokens_per_forward=r.tokens_per_forward or round(tracker.tokens_per_forward(r.key), ESTIMATE_DIGITS),
+            key=key,
+            acceptance=round(tracker.estimate(key), ESTIMATE_DIGITS) if r.acceptance is None else r.acceptance,
+            tokens_per_forward=r.tokens_per_forward or round(tracker.tokens_per_forward(key), ESTIMATE_DIGITS),
         )
 
     def _pick_drafters(self, rows: list[RowInfo]) -> list[RowInfo]:
