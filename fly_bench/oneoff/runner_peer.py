@@ -5,8 +5,10 @@ the engine's round (fly_bench.oneoff.token_time measures that).
 
     python -m fly_bench.oneoff.runner_peer --prompt rewrite --tokens 48 --repeats 5
 
-Variants (--variants, JSON): LlamaRunner keyword arguments by name, e.g.
-'{"ours": {}, "8 ids": {"seqs": 8}}' (seqs: llama.cpp's sequence ids capped, as before issue 54).
+Variants (--variants, JSON): `runner`'s keyword arguments by name, e.g.
+'{"ours": {}, "8 ids": {"seqs": 8}, "8 donors": {"donors": 8}}' (seqs: llama.cpp's sequence ids
+capped, as before issue 54; donors: released sequences left in the KV cache, as the prefix cache
+keeps them).
 Both sides compute the whole prompt every run (no prompt cache)."""
 
 import argparse
@@ -22,15 +24,22 @@ from fly_serve.loading.weights import DEFAULT_TARGET, gguf_file
 from fly_serve.runtime import llama_runner
 
 
-def runner(model, seqs: int | None = None, slots: int = 8, batch: int = 512):
+def runner(model, seqs: int | None = None, slots: int = 8, batch: int = 512, donors: int = 0, donor_tokens: int = 300):
+    """A LlamaRunner as the engine makes one; donors: that many released sequences of donor_tokens
+    left in its KV cache first (the prefix cache's donors, as earlier requests leave them)."""
     lib = llama_runner.lib()
     real = lib.llama_max_parallel_sequences
     if seqs:
         lib.llama_max_parallel_sequences = lambda: seqs
     try:
-        return llama_runner.LlamaRunner(model, n_slots=slots, threads=2, batch_tokens=batch, prefix_cache=False)
+        r = llama_runner.LlamaRunner(model, n_slots=slots, threads=2, batch_tokens=batch, prefix_cache=donors > 0)
     finally:
         lib.llama_max_parallel_sequences = real
+    for d in range(donors):
+        key = f"donor-{d}"
+        r.feed([key], [[(1000 + 97 * d + i) % 150000 for i in range(donor_tokens)]], tail=[1])
+        r.release([key])
+    return r
 
 
 def ours(r, key: str, ids: list[int], tokens: int) -> tuple[float, float]:
