@@ -24,9 +24,18 @@ from fly_serve.loading.weights import DEFAULT_TARGET, gguf_file
 from fly_serve.runtime import llama_runner
 
 
-def runner(model, seqs: int | None = None, slots: int = 8, batch: int = 512, donors: int = 0, donor_tokens: int = 300):
+def runner(
+    model,
+    seqs: int | None = None,
+    slots: int = 8,
+    batch: int = 512,
+    donors: int = 0,
+    donor_tokens: int = 300,
+    drafter: bool = False,
+):
     """A LlamaRunner as the engine makes one; donors: that many released sequences of donor_tokens
-    left in its KV cache first (the prefix cache's donors, as earlier requests leave them)."""
+    left in its KV cache first (the prefix cache's donors, as earlier requests leave them); drafter:
+    the embedded draft model loaded beside it in its own context, run once (as the engine holds it)."""
     lib = llama_runner.lib()
     real = lib.llama_max_parallel_sequences
     if seqs:
@@ -35,6 +44,12 @@ def runner(model, seqs: int | None = None, slots: int = 8, batch: int = 512, don
         r = llama_runner.LlamaRunner(model, n_slots=slots, threads=2, batch_tokens=batch, prefix_cache=donors > 0)
     finally:
         lib.llama_max_parallel_sequences = real
+    if drafter:
+        from fly_serve.loading.weights import DEFAULT_DRAFTER
+
+        d_model = llama_runner.GGUFModel(str(gguf_file(DEFAULT_DRAFTER, print)))
+        r.beside = llama_runner.LlamaRunner(d_model, n_slots=slots, threads=2, batch_tokens=batch)
+        r.beside.feed(["once"], [[1000 + i for i in range(64)]], tail=[1])
     for d in range(donors):
         key = f"donor-{d}"
         r.feed([key], [[(1000 + 97 * d + i) % 150000 for i in range(donor_tokens)]], tail=[1])
