@@ -85,6 +85,9 @@ def generate(args) -> None:
     t0 = time.perf_counter()
     try:
         params = params_from(args, served_defaults())
+    except (ParamError, TypeError) as e:  # a knob's value refused: named
+        sys.exit(f"error: {e}")
+    try:
         engine = build_engine(
             args.target,
             args.drafter if params.mode_spec.source == "model" else None,
@@ -98,7 +101,7 @@ def generate(args) -> None:
             calibrate=params.auto_k,
             progress=progress,
         )
-    except (ParamError, TypeError, ValueError) as e:  # a knob refused (--dtype fp32 on llama.cpp ...): named
+    except ValueError as e:  # a knob the models refuse (--dtype fp32 on llama.cpp ...): named
         sys.exit(f"error: {e}")
     progress(f"models ready in {time.perf_counter() - t0:.1f} s; generating")
     try:

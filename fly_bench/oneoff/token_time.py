@@ -28,6 +28,7 @@ are rougher than within one.
 
 import argparse
 import contextlib
+import functools
 import itertools
 import json
 import subprocess
@@ -301,15 +302,21 @@ def peer_server():
     return LlamaServer(gguf_file(DEFAULT_TARGET))
 
 
+@functools.cache
+def target_tokenizer():
+    """The target's tokenizer, loaded once (the peer's prompts are rendered with it)."""
+    from fly_serve.loading.loading import load_tokenizer
+    from fly_serve.loading.weights import DEFAULT_TARGET
+
+    return load_tokenizer(DEFAULT_TARGET, print)
+
+
 def peer_run(server, prompt: str, max_tokens: int) -> dict:
     """One streamed completion of the prompt (fresh), its prompt cache on as llama-server's API
     has it by default."""
     from fly_serve.engine.prompts import chat_prompt
-    from fly_serve.loading.loading import load_tokenizer
-    from fly_serve.loading.weights import DEFAULT_TARGET
 
-    tokenizer = load_tokenizer(DEFAULT_TARGET, print)
-    c = server.complete(chat_prompt(tokenizer, fresh(TASKS[prompt])), max_tokens, cache_prompt=True)
+    c = server.complete(chat_prompt(target_tokenizer(), fresh(TASKS[prompt])), max_tokens, cache_prompt=True)
     n = len(c.token_ids)
     return {
         "tokens": n,
