@@ -9,6 +9,7 @@ once per pair and cached (`drafter_part`). An engine may hold several drafters b
 (EngineConfig.drafters)."""
 
 from dataclasses import fields, replace
+from pathlib import Path
 
 import torch
 
@@ -20,10 +21,11 @@ from .drafting.drafters import ModelDrafter
 from .drafting.vocab_map import VocabMap
 from .engine.engine import DEFAULT_DRAFTER_NAME, Engine
 from .engine.params import Params
-from .k_auto.cost_calibration import calibrate_engine, calibration_key, model_name
+from .k_auto.cost_calibration import calibrate_engine, calibration_key, machine, model_name, versions
 from .loading.head_cut import check_head_cut
 from .loading.loading import eos_ids, load_config, load_model, load_tokenizer
 from .loading.weights import DEFAULT_DRAFTER, DEFAULT_TARGET, cache_dir, check_same_tokenizer
+from .runtime import forward_widths
 from .runtime.llama_runner import GGUFModel, LlamaRunner, set_reproducible
 from .runtime.model_scorer import ModelScorer
 from .runtime.runner import Runner
@@ -67,13 +69,17 @@ def runner_for(model, config: EngineConfig, budget_tokens: int | None, tp_group=
     """A loaded model with its KV cache: on llama.cpp's kernels for a GGUF model (its threads this
     process's torch setting, loading.set_threads), else on torch's."""
     if isinstance(model, GGUFModel):
-        return LlamaRunner(
+        runner = LlamaRunner(
             model,
             n_slots=config.max_batch,
             budget_tokens=budget_tokens,
             prefix_cache=config.prefix_cache,
             threads=torch.get_num_threads(),
         )
+        if config.forward_split and not runner.reproducible:
+            cache = cache_dir() / "forward-widths"
+            runner.set_widths(forward_widths.cached_plan(runner, widths_key(model, runner), cache))
+        return runner
     return Runner(
         model,
         n_slots=config.max_batch,
@@ -81,6 +87,21 @@ def runner_for(model, config: EngineConfig, budget_tokens: int | None, tp_group=
         budget_tokens=budget_tokens,
         prefix_cache=config.prefix_cache,
     )
+
+
+def widths_key(model: GGUFModel, runner: LlamaRunner) -> dict:
+    """What a forward's cost by width depends on (forward_widths.py): the machine, the model file,
+    its weights' layout, the threads, the versions."""
+    path = Path(model.path)
+    return {
+        "machine": machine(),
+        "model": path.name,
+        "bytes": path.stat().st_size,
+        "repacked": model.repacked,
+        "threads": runner.threads,
+        "max_width": forward_widths.MAX_WIDTH,
+        "versions": versions(),
+    }
 
 
 def scorer_for(model, config: EngineConfig, vocab_size: int, tp_group=None, sample: bool = True) -> ModelScorer:

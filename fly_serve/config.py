@@ -86,6 +86,9 @@ class EngineConfig:
     # fall, at a speed cost measured in docs/benchmarks.md. Process-wide; the torch runtime's
     # exactness is fp32's (docs/tuning.md).
     reproducible: bool = False
+    # llama.cpp: a forward of a few tokens split into several calls where this machine measured
+    # that cheaper (runtime/forward_widths.py: once per machine and model, cached); off: one call.
+    forward_split: bool = True
     # The model drafter's loop (drafters.draft_loop): "mla" (prompt lookup proposals checked in
     # every forward: a CPU's, where a forward costs far more than the host's work), "fixed"
     # (fixed_loop.py: one-token steps on static shapes, no host read inside: a GPU's, the steps

@@ -56,7 +56,7 @@ log = logging.getLogger("fly_serve.k_auto.cost_calibration")
 
 # Bump when what a profile means changes: older cache entries are then ignored. The versions'
 # history, with the figures that made each one, is in docs/journal.md ("cost profile format").
-FORMAT = 7
+FORMAT = 8
 DRAFT_K = 8  # drafts per row of the drafter's long call (the short one drafts 1)
 CONTEXT_TOKENS = 16  # context of each timing row: a verify feeds its last token and drafts only
 KEY_PREFIX = "calibrate-"
@@ -162,6 +162,7 @@ def calibration_key(config: EngineConfig, k_max: int, *, target=None, drafters=N
         "versions": versions(),
         # named only when on: the keys of every other config stay as they were
         **({"reproducible": True} if config.reproducible else {}),
+        **({"forward_split": False} if not config.forward_split else {}),  # one llama.cpp call a forward
         # draft-ahead's curves are timed with both sides busy (measure_profile's stages)
         **({"draft_ahead": [config.draft_threads, config.verify_threads]} if config.draft_ahead else {}),
         **({"extra": {k: shape[k] for k in sorted(shape)}} if shape else {}),

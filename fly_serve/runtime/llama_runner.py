@@ -37,6 +37,7 @@ reserves for at least n_seq_max outputs (n_seq_max x vocab floats).
 """
 
 import ctypes
+import itertools
 import logging
 import os
 from collections import OrderedDict
@@ -319,6 +320,7 @@ class LlamaRunner:
     device = torch.device("cpu")
     graphs = None  # nothing is captured (engine.set_draft_ahead turns graphs off on parts it shares)
     fold = False
+    widths: list[tuple[int, ...]] | None = None  # set_widths
 
     def __init__(
         self,
@@ -416,23 +418,33 @@ class LlamaRunner:
         first = np.array([len(toks) - w for toks, w in zip(tokens, want)])[rows]  # first wanted position
         wanted, slot = pos >= first, pos - first  # [N]; slot: where a wanted token's logits go in out
         width = max(want)
-        if width > 0 and len(ids) <= self.batch_tokens and min(want) == width:
+        chunks = self._chunks(len(ids))
+        if width > 0 and len(chunks) == 1 and min(want) == width:
             self._decode_chunk(ids, pos, seqs, wanted, busy)
             return self._logits_view(len(plans) * width).view(len(plans), width, self.vocab_size)
         out = torch.empty(len(plans), width, self.vocab_size) if width > 0 else None
         for b, w in enumerate(want):  # the padding slots (the contract: zeros)
             if out is not None and w < width:
                 out[b, w:].zero_()
-        for lo, hi in self._chunks(len(ids)):
+        for lo, hi in chunks:
             self._decode_chunk(ids[lo:hi], pos[lo:hi], seqs[lo:hi], wanted[lo:hi], busy)
             got = np.nonzero(wanted[lo:hi])[0] + lo
             if out is not None and len(got):
                 out[torch.from_numpy(rows[got]), torch.from_numpy(slot[got])] = self._logits_view(len(got))
         return out
 
+    def set_widths(self, plan: list[tuple[int, ...]] | None) -> None:
+        """forward_widths.plan: the calls' widths of a forward of n <= len(plan) tokens (None: one
+        call per batch_tokens). Not in reproducible mode, whose forwards have their own rule."""
+        self.widths = None if self.reproducible or not plan else plan[: self.batch_tokens]
+
     def _chunks(self, n: int) -> list[tuple[int, int]]:
-        """[lo, hi) of each llama_decode call over n tokens, batch_tokens at most; a reproducible
-        runner never leaves one token alone in a call (module docstring)."""
+        """[lo, hi) of each llama_decode call over n tokens: as the width plan splits n where it
+        has one (set_widths), else batch_tokens at most; a reproducible runner never leaves one
+        token alone in a call (module docstring)."""
+        if self.widths and n <= len(self.widths):
+            bounds = [0, *itertools.accumulate(self.widths[n - 1])]
+            return list(zip(bounds[:-1], bounds[1:]))
         bounds = list(range(0, n, self.batch_tokens)) + [n]
         if self.reproducible and len(bounds) > 2 and bounds[-1] - bounds[-2] == 1:
             bounds[-2] -= 1
