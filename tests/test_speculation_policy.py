@@ -1146,3 +1146,9 @@ def test_free_drafts_the_prior_prices_out_are_probed_and_drafted_once_they_hold(
             policy.record(RoundTrace(["q"], [0], [0], kinds=[NONE], draft_s=0.0, verify_s=0.045))
     gaps = np.diff(probes)
     assert len(probes) >= 3 and all(b >= a for a, b in zip(gaps, gaps[1:])) and gaps[-1] > gaps[0]
+    # in a batch a free probe would widen every row's forward: none there
+    policy = SpeculationPolicy()
+    policy.set_profile(flat_profile(0.045, per_token=0.035, per_forward=0.03), measured_here=True)
+    for _ in range(100):
+        assert policy.choose([RowInfo("a", 8, MODEL, free_k=6), RowInfo("b", 8, MODEL, free_k=6)]) == [0, 0]
+        policy.record(RoundTrace(["a", "b"], [0, 0], [0, 0], kinds=[NONE, NONE], draft_s=0.0, verify_s=0.06))
