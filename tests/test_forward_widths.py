@@ -88,3 +88,46 @@ def test_the_engine_sets_a_plan_on_its_llama_cpp_runners_unless_turned_off():
     ids = on.tokenizer.encode("def fib(n):")
     params = {"mode": "spd", "k": 4, "max_tokens": 24, "temperature": 0}
     assert on.generate([ids], params)[0].generated == off.generate([ids], params)[0].generated
+
+
+def test_a_split_forward_that_fails_in_a_later_call_leaves_no_cells_behind(gguf):
+    """The first call of a split forward writes its cells; when a later call fails, the row goes
+    back to what it held before the forward, cells included, and the next forward computes the
+    same logits as a runner that never failed."""
+    clean, failing = runner(gguf), runner(gguf)
+    plan = [(n,) for n in range(1, 17)]
+    plan[6 - 1] = (3, 3)
+    failing.set_widths(plan)
+    base = [5, 77, 100, 12, 40, 41, 42, 200]
+    for r in (clean, failing):
+        r.feed(["a"], [base], tail=[1])
+    real, calls = failing._decode_chunk, []
+
+    def second_call_fails(ids, *a):
+        calls.append(len(ids))
+        if len(calls) == 2:
+            raise RuntimeError("llama_decode failed (-1): the second call")
+        return real(ids, *a)
+
+    failing._decode_chunk = second_call_fails
+    grown = base + [3, 9, 250, 17, 1, 2]
+    with pytest.raises(RuntimeError, match="second call"):
+        failing.feed(["a"], [grown], tail=[6])
+    assert calls == [3, 3] and failing.cache.rows["a"].tokens == base
+    failing._decode_chunk = real
+    want, _ = clean.feed(["a"], [grown], tail=[6])
+    got, fed = failing.feed(["a"], [grown], tail=[6])
+    assert fed == [6] and torch.allclose(got, want, atol=TOL)
+
+
+def test_a_cached_plan_that_does_not_add_up_is_measured_again(gguf, tmp_path):
+    r = runner(gguf)
+    key = {"model": "tiny:0", "threads": 1}
+    plan = forward_widths.cached_plan(r, key, tmp_path, progress=lambda _: None)
+    (path,) = tmp_path.glob("*.json")
+    entry = json.loads(path.read_text())
+    entry["plan"][7] = [4, 3]  # 8 tokens in calls of 7: a token would be skipped
+    path.write_text(json.dumps(entry))
+    said = []
+    again = forward_widths.cached_plan(r, key, tmp_path, progress=said.append)
+    assert said and forward_widths.valid(again) and len(again) == len(plan)

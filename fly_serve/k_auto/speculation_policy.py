@@ -372,6 +372,8 @@ class SpeculationPolicy:
                 self._priced.pop(r.key, None)
                 if k > 0 and not r.fixed:  # the plan drafts it: probes again at the shortest gap
                     self._gap.pop(r.key, None)
+                if k > 0 and r.source == MODEL:  # its drafter drafts: the free drafts' wait starts over
+                    idle.pop(free_key(r.key), None)
             else:
                 idle[r.key] = idle.get(r.key, 0) + 1
                 if r.source == MODEL:  # its free drafts sat unused too (_free_probes)
@@ -408,8 +410,9 @@ class SpeculationPolicy:
         returned): their acceptance is tracked apart (free_key), and without a round of them it
         would stay at the prior, which on a machine where a wider verification costs much (a
         2-core CPU) prices them out for good, however often the text repeats itself. Such a probe
-        costs only the verification's width: no drafter forward, nothing to catch up; its gap
-        doubles after each, and keeps them at probe_budget of the time (_budget_gap). A row alone
+        costs only the verification's width: no drafter forward, nothing to catch up; with a profile
+        measured here its gap doubles after each and keeps them at probe_budget of the time
+        (_budget_gap; otherwise probe_every, as a model probe's, for the cost check). A row alone
         only: in a batch the probe widens every row's forward (8 rows of one token and one probe
         draft: 9 tokens, 1.19x the 8 on the 2-core EPYC), and served at 8 users the default read
         1.03x llama-server with one-draft free probes in batches against 1.09x without (one run

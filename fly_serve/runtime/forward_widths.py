@@ -73,8 +73,9 @@ def cached_plan(runner, key: dict, cache: Path, progress=print) -> list[tuple[in
     path = cache / f"{_hash(key)}.json"
     try:
         entry = json.loads(path.read_text())
-        if entry["key"] == json.loads(json.dumps(key, default=str)):
-            return [tuple(x) for x in entry["plan"]]
+        widths = [tuple(int(w) for w in x) for x in entry["plan"]]
+        if entry["key"] == json.loads(json.dumps(key, default=str)) and valid(widths):
+            return widths
     except (OSError, ValueError, KeyError, TypeError):
         pass
     progress(f"llama.cpp: timing forwards of 1-{MAX_WIDTH} tokens (once per machine and model) ...")
@@ -87,6 +88,11 @@ def cached_plan(runner, key: dict, cache: Path, progress=print) -> list[tuple[in
     tmp.write_text(json.dumps({"key": key, "seconds": seconds, "plan": widths}, indent=1, default=str))
     os.replace(tmp, path)  # several processes may measure at once: the last one wins
     return widths
+
+
+def valid(widths: list[tuple[int, ...]]) -> bool:
+    """A plan of every width 1 .. MAX_WIDTH whose calls add up to it (a cache entry read back)."""
+    return len(widths) == MAX_WIDTH and all(sum(p) == n and min(p) >= 1 for n, p in enumerate(widths, 1))
 
 
 def _hash(key: dict) -> str:

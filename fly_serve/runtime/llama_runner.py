@@ -221,6 +221,13 @@ class SeqTable:
             lib().llama_memory_seq_rm(self.mem, s.id, n, -1)
             del s.tokens[n:]
 
+    def roll_back(self, s: _Seq, n: int) -> None:
+        """Sequence s back to its first n tokens, its cells past them removed even where s.tokens
+        does not hold them: a forward that failed after an earlier call of it (a split forward, a
+        long one) had written cells that s.tokens never recorded."""
+        lib().llama_memory_seq_rm(self.mem, s.id, n, -1)
+        del s.tokens[n:]
+
     def _adopt(self, key: str, s: _Seq, toks: list[int], cap: int) -> None:
         """A new row takes the longest prefix any held sequence shares with it (prefix cache)."""
         if not self.prefix_cache:
@@ -394,7 +401,7 @@ class LlamaRunner:
             out = self._decode(plans, tokens, want, set(keys) | set(protect))
         except BaseException:
             for s, start in plans:  # nothing half-written stays: each row holds its valid prefix
-                self.cache.cut(s, start)
+                self.cache.roll_back(s, start)
             raise
         for (s, start), toks in zip(plans, tokens):
             s.tokens.extend(toks[start:])
