@@ -413,11 +413,9 @@ class SpeculationPolicy:
         costs only the verification's width: no drafter forward, nothing to catch up; with a profile
         measured here its gap doubles after each and keeps them at probe_budget of the time
         (_budget_gap; otherwise probe_every, as a model probe's, for the cost check). A row alone
-        only: in a batch the probe widens every row's forward (8 rows of one token and one probe
-        draft: 9 tokens, 1.19x the 8 on the 2-core EPYC), and served at 8 users the default read
-        1.03x llama-server with one-draft free probes in batches against 1.09x without (one run
-        each). (A one-draft probe alone, tried on the rewrite prompt: 66 rounds for 100 tokens
-        against 55 with probe_k: one kept draft lifts the estimate less, the row ramps slower.)"""
+        only: in a batch the probe widens every row's forward, and served at 8 users that cost more
+        than it found; probe_k drafts, since one kept draft lifts the estimate too little to ramp
+        the row up (both measured: docs/journal.md, "free drafts the prior priced out")."""
         if room <= 0 or batch:
             return []
         due = []
@@ -425,9 +423,12 @@ class SpeculationPolicy:
             key = free_key(r.key)
             if b in taken or r.source != MODEL or r.fixed or r.free_k <= 0 or ks[b] > 0 or r.limit <= 0:
                 continue
+            idle = self._idle.get(key, 0)
+            if idle <= self._gap.get(key, self.probe_every):  # the stored gap first: priced only past it
+                continue
             k = min(self.probe_k, r.free_k, r.limit)
             budget = self._budget_gap(self._as_free(r), k) if self.frozen else 0
-            if self._idle.get(key, 0) > max(self._gap.get(key, self.probe_every), budget):
+            if idle > budget:
                 due.append((b, k, budget))
         due.sort(key=lambda d: -self._idle[free_key(rows[d[0]].key)])  # stable: batch order among equals
         for b, k, budget in due[:room]:

@@ -2,23 +2,22 @@
 
 llama.cpp's CPU kernels change with the width of a forward (the tokens in one llama_decode: a
 batch's rows and each row's drafts together): its repacked gemm takes >= 4 rows, its tiled
-K-quant matmul >= 8, and the cost per token does not fall evenly with the width. On a 2-core
-AMD EPYC (Zen 3, AVX2) the 1.5B target took 289 ms for 8 tokens in one call and 246 ms for the
-same 8 as two calls of 4 (docs/journal.md, "A forward of 8 tokens"): every 8-user plain step
-and every verification of 8 tokens paid 17% for the shape. llama-server decodes its 8 slots in
-one call and pays it.
+K-quant matmul >= 8, and the cost per token does not fall evenly with the width: on a 2-core
+AMD EPYC a forward of 8 tokens cost more in one call than as two of 4 (docs/journal.md, "A
+forward of 8 tokens"), so every 8-user plain step paid for its shape, as llama-server's does.
 
 So the runner splits a forward of n <= MAX_WIDTH tokens where measured cheaper: `measure`
 times one-row forwards of every width 1 .. MAX_WIDTH (the fastest of `passes` each: noise only
 adds time), `plan` finds the cheapest split of each n into such widths (a split only where it
 saves SPLIT_MARGIN or more: a split costs a call and a logits copy the timings barely see), and
-LlamaRunner.set_widths applies it. The cost is a property of the machine, the model file and the
-threads, so nothing here encodes a machine's figures: each machine measures its own (~10 s for
-the 1.5B target on the EPYC, once) and the result is cached under the key its caller gives
-(build.py: machine, model, threads, versions). Wider forwards (prefills) keep one call per
-batch_tokens: their cost per token only falls from there.
+LlamaRunner.set_widths applies it. The cost is a property of the machine, the model file and
+the threads, so nothing here encodes a machine's figures: each machine measures its own, once,
+and the result is cached under the key its caller gives (build.py: machine, model, threads,
+versions). Wider forwards (prefills) keep one call per batch_tokens: their cost per token only
+falls from there.
 """
 
+import hashlib
 import json
 import os
 import random
@@ -96,6 +95,4 @@ def valid(widths: list[tuple[int, ...]]) -> bool:
 
 
 def _hash(key: dict) -> str:
-    import hashlib
-
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
