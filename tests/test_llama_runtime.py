@@ -110,6 +110,67 @@ def test_a_new_row_adopts_the_prefix_a_released_row_shares_with_it(gguf):
     assert fed == [len(prompt) + 2] and plain.cache.take_hits(["b"]) == [0]
 
 
+def seq_cells(r: LlamaRunner, seq: int) -> int:
+    """Cells llama.cpp holds for a sequence id (its positions are 0..n-1 here)."""
+    from fly_serve.runtime.llama_runner import lib
+
+    return lib().llama_memory_seq_pos_max(r.cache.mem, seq) + 1
+
+
+def test_a_donor_is_kept_out_of_the_cache_and_restored_for_the_prefix_it_shares(gguf):
+    """A released row leaves llama.cpp's cache (every query scans every cell: kept cells slow every
+    token) and lives on as host bytes; a row sharing part of it gets those cells back, the rest
+    cut, and its logits are the model's."""
+    prompt = list(range(20, 60))
+    r = runner(gguf, prefix_cache=True)
+    r.feed(["a"], [prompt + list(range(100, 130))])
+    seq = r.cache.rows["a"].id
+    r.release(["a"])
+    assert seq_cells(r, seq) == 0 and seq in r.cache.free_ids
+    assert len(r.cache.donors) == 1 and r.cache.donor_tokens == len(prompt) + 30
+    logits, fed = r.feed(["b"], [prompt + [7, 8]])
+    assert fed == [2] and r.cache.take_hits(["b"]) == [len(prompt)]
+    assert seq_cells(r, r.cache.rows["b"].id) == len(prompt) + 2  # the donor's tail was cut
+    assert torch.allclose(logits[0, :2], torch_logits(prompt + [7, 8])[-2:], atol=TOL)
+    r.release(["b"])
+    logits, fed = r.feed(["c"], [prompt + list(range(100, 130)) + [9]], tail=[1])  # all of a, a turn later
+    assert fed == [1] and r.cache.take_hits(["c"]) == [len(prompt) + 30]
+    assert torch.allclose(logits[0, 0], torch_logits(prompt + list(range(100, 130)) + [9])[-1], atol=TOL)
+
+
+def firsts(r: LlamaRunner) -> list[int]:
+    """Each donor's first token, least recently used first."""
+    return [d.tokens[0] for d in r.cache.donors.values()]
+
+
+def test_donors_are_bounded_extended_ones_dropped_and_one_without_room_is_a_prefill(gguf):
+    r = runner(gguf, prefix_cache=True, n_slots=2, budget_tokens=256)
+    for i in range(2):
+        r.feed([f"d{i}"], [[i + 1] * 20 + list(range(30, 60))])
+        r.release([f"d{i}"])
+    r.feed(["u"], [[1] * 20 + list(range(30, 50)) + [9]])  # reuses d0 in part: d0 is used last
+    assert r.cache.take_hits(["u"]) == [40] and firsts(r) == [2, 1]
+    r.feed(["d2"], [[3] * 20 + list(range(30, 60))])
+    r.release(["d2"])  # n_slots donors at most: the least recently used (d1) goes
+    assert firsts(r) == [1, 3]
+    wide = runner(gguf, prefix_cache=True, n_slots=4, budget_tokens=256)
+    wide.feed(["a"], [[1] * 50])
+    wide.release(["a"])
+    wide.feed(["long"], [list(range(230))])
+    wide.release(["long"])  # 50 + 230 tokens: more than the cache holds, so a goes (2 donors of 4)
+    assert firsts(wide) == [0] and wide.cache.donor_tokens == 230
+    wide.feed(["turn2"], [list(range(240))])
+    wide.release(["turn2"])  # extends long: long is dropped, not kept beside it
+    assert [len(d.tokens) for d in wide.cache.donors.values()] == [240]
+    wide.feed(["short"], [list(range(100))])
+    wide.release(["short"])  # turn2 holds all of it: nothing is copied
+    assert [len(d.tokens) for d in wide.cache.donors.values()] == [240]
+    wide.feed(["held"], [list(range(100, 200))])  # 156 cells left: turn2's 240 cannot come back
+    logits, fed = wide.feed(["x"], [list(range(40)) + [7]], protect=["held"])
+    assert fed == [41] and wide.cache.take_hits(["x"]) == [0] and held(wide, "held") == 100
+    assert torch.allclose(logits[0, -1], torch_logits(list(range(40)) + [7])[-1], atol=TOL)
+
+
 def test_two_rows_share_a_prefix_and_each_rolls_back_alone(gguf):
     prompt = list(range(30, 60))
     r = runner(gguf, prefix_cache=True)

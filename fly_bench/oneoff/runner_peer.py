@@ -7,8 +7,8 @@ the engine's round (fly_bench.oneoff.token_time measures that).
 
 Variants (--variants, JSON): `runner`'s keyword arguments by name, e.g.
 '{"ours": {}, "8 ids": {"seqs": 8}, "8 donors": {"donors": 8}}' (seqs: llama.cpp's sequence ids
-capped, as before issue 54; donors: released sequences left in the KV cache, as the prefix cache
-keeps them).
+capped, as before issue 54; donors: released rows kept as the prefix cache keeps them, in host memory
+since they left the KV cache; fly_bench.oneoff.idle_cells measures cells held in it).
 Both sides compute the whole prompt every run (no prompt cache)."""
 
 import argparse
@@ -33,8 +33,8 @@ def runner(
     donor_tokens: int = 300,
     drafter: bool = False,
 ):
-    """A LlamaRunner as the engine makes one; donors: that many released sequences of donor_tokens
-    left in its KV cache first (the prefix cache's donors, as earlier requests leave them); drafter:
+    """A LlamaRunner as the engine makes one; donors: that many released rows of donor_tokens kept
+    first (the prefix cache's donors, as earlier requests leave them); drafter:
     the embedded draft model loaded beside it in its own context, run once (as the engine holds it)."""
     lib = llama_runner.lib()
     real = lib.llama_max_parallel_sequences

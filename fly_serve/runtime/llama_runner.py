@@ -10,9 +10,14 @@ The KV cache is llama.cpp's, one buffer for all sequences (`kv_unified`): a row 
 sequence id, and the tokens it holds are remembered here, so the same content rule as kv_cache.py
 applies: keep the common prefix of what the sequence holds and what the row now is, remove the rest
 (`llama_memory_seq_rm`: rejected drafts roll back), feed what is missing. Prefix sharing: a new
-row adopts the longest prefix it shares with any sequence held (`llama_memory_seq_cp` marks the
-same cells as the new sequence's too: shared, not copied); released sequences stay as such donors
-until their room or their id is needed, least recently used first.
+row adopts the longest prefix it shares with a row held (`llama_memory_seq_cp` marks the same
+cells as the new sequence's too: shared, not copied) or with a released row, a donor. Donors are
+kept out of llama.cpp's cache, as bytes in host memory (`llama_state_seq_get_data`, restored with
+`llama_state_seq_set_data`): every query of every forward scans every cell of the unified cache
+(its flash attention skips a masked cell only after reading the mask), so cells kept for later
+would slow each token of every row now (8 donors of 1,000 tokens: ~7% a token of the 1.5B target,
+docs/journal.md "Donors out of the cache"). Donors hold at most capacity_tokens tokens together,
+n_slots at most, least recently used dropped first; a donor that a newer one extends is dropped.
 
 Reproducible (`set_reproducible`, EngineConfig.reproducible): llama.cpp picks its CPU kernels by the
 forward's shape, and the kernels sum in different orders, so a position's logits depend on how many
@@ -156,6 +161,7 @@ class GGUFModel:
         vocab = L.llama_model_get_vocab(self.ptr)
         self.n_vocab = L.llama_vocab_n_tokens(vocab)
         self.n_ctx_train = L.llama_model_n_ctx_train(self.ptr)
+        self.swa = L.llama_model_n_swa(self.ptr)  # > 0: layers that attend to the last swa positions only
 
     def __del__(self):
         if getattr(self, "ptr", None) and _LIB is not None:
@@ -169,18 +175,34 @@ class _Seq:
     tokens: list[int] = field(default_factory=list)  # what its cells hold, positions 0..len-1
 
 
+@dataclass
+class _Donor:
+    """A released row's KV as llama.cpp wrote it out (llama_state_seq_get_data): no cells, no id."""
+
+    tokens: list[int]
+    state: ctypes.Array
+
+
 class SeqTable:
     """Which llama.cpp sequence holds which row, and what it holds: the bookkeeping that makes
     llama.cpp's cache follow kv_cache.py's content rule. Held rows and (with the prefix cache)
     released donors are kept in least-recently-used order."""
 
-    def __init__(self, mem, n_ids: int, capacity_tokens: int, prefix_cache: bool, max_donors: int | None = None):
-        self.mem, self.capacity_tokens, self.prefix_cache = mem, capacity_tokens, prefix_cache
-        # donors kept at most (each new row is compared with every one): the ids' number is no bound
+    def __init__(
+        self, ctx, n_ids: int, capacity_tokens: int, prefix_cache: bool, max_donors: int | None = None, swa: int = 0
+    ):
+        self.ctx, self.mem = ctx, lib().llama_get_memory(ctx)
+        # A model with windowed layers (Gemma 3) writes a sequence out without its cells older than
+        # the window before its last position: such a donor serves a row that continues all of it.
+        self.swa = swa
+        self.capacity_tokens, self.prefix_cache = capacity_tokens, prefix_cache
+        # donors kept at most (each new row is compared with every one)
         self.max_donors = n_ids if max_donors is None else max_donors
         self.free_ids = list(range(n_ids))
         self.rows: OrderedDict[str, _Seq] = OrderedDict()
-        self.donors: OrderedDict[int, _Seq] = OrderedDict()  # released sequences kept for their prefix
+        self.donors: OrderedDict[int, _Donor] = OrderedDict()  # released rows kept for their prefix
+        self.donor_tokens = 0
+        self._donor_ids = itertools.count()
         self.hits: dict[str, int] = {}
         self.hit_tokens_total = 0
         self.evicted = 0  # rows (not donors) evicted while held: each prefills again when it returns
@@ -229,23 +251,45 @@ class SeqTable:
         del s.tokens[n:]
 
     def _adopt(self, key: str, s: _Seq, toks: list[int], cap: int) -> None:
-        """A new row takes the longest prefix any held sequence shares with it (prefix cache)."""
+        """A new row takes the longest prefix a held row or a donor shares with it (prefix cache)."""
         if not self.prefix_cache:
             return
         best, n = None, 0
-        for other in list(self.rows.values()) + list(self.donors.values()):
+        for other in [*self.rows.values(), *self.donors.items()]:
             if other is not s:
-                m = min(common_prefix(other.tokens, toks), cap)
-                if m > n:
+                m = min(common_prefix(other[1].tokens if isinstance(other, tuple) else other.tokens, toks), cap)
+                if m > n and (not isinstance(other, tuple) or self._restorable(other[1], m)):
                     best, n = other, m
         if best is None or n < MIN_SHARED:
             return
-        lib().llama_memory_seq_cp(self.mem, best.id, s.id, 0, n)
+        if isinstance(best, tuple):
+            if not self._restore(best[1], s.id):
+                return
+            self.donors.move_to_end(best[0])
+            lib().llama_memory_seq_rm(self.mem, s.id, n, -1)
+        else:
+            lib().llama_memory_seq_cp(self.mem, best.id, s.id, 0, n)
         s.tokens = list(toks[:n])
         self.hits[key] = self.hits.get(key, 0) + n
         self.hit_tokens_total += n
-        if best.id in self.donors:
-            self.donors.move_to_end(best.id)
+
+    def _restorable(self, donor: _Donor, n: int) -> bool:
+        """Whether n tokens of the donor can come back: all its cells fit beside the rows' (counted
+        as if none were shared: a row prefills rather than fail a restore), and a windowed model's
+        row continues the whole donor (module docstring)."""
+        held = sum(len(r.tokens) for r in self.rows.values())
+        fits = held + len(donor.tokens) <= self.capacity_tokens
+        return fits and (self.swa <= 0 or len(donor.tokens) <= self.swa or n >= len(donor.tokens) - 1)
+
+    def _restore(self, donor: _Donor, seq: int) -> bool:
+        """The donor's cells written back as sequence seq's; False where llama.cpp finds no room for
+        all of them: the row then prefills, as without a donor."""
+        L = lib()
+        if L.llama_state_seq_set_data(self.ctx, donor.state, len(donor.state), seq) == len(donor.state):
+            return True
+        L.llama_memory_seq_rm(self.mem, seq, -1, -1)
+        log.debug("llama.cpp cache: no room to restore a donor of %d tokens; prefilling", len(donor.tokens))
+        return False
 
     def _take_id(self, busy: set) -> int:
         if not self.free_ids and not self.evict_one(busy):
@@ -253,11 +297,8 @@ class SeqTable:
         return self.free_ids.pop()
 
     def evict_one(self, busy: set) -> bool:
-        """Free the least recently used donor, else idle row; False if every sequence is busy."""
-        if self.donors:
-            _, s = self.donors.popitem(last=False)
-            self._forget(s)
-            return True
+        """Free the least recently used idle row (donors hold no cells or ids); False if every row
+        is busy."""
         for key in self.rows:
             if key not in busy:
                 s = self.rows.pop(key)
@@ -280,11 +321,30 @@ class SeqTable:
             if s is None:
                 continue
             if self.prefix_cache and len(s.tokens) >= MIN_SHARED:
-                self.donors[s.id] = s
-                while len(self.donors) > self.max_donors:
-                    self._forget(self.donors.popitem(last=False)[1])
-            else:
-                self._forget(s)
+                self._keep(s)
+            self._forget(s)
+
+    def _keep(self, s: _Seq) -> None:
+        """Sequence s's KV copied out as a donor (dropped where llama.cpp writes nothing), then the
+        least recently used donors past the bounds dropped. Without a window, a donor holding all of
+        s already serves every row s could (s is not copied), and donors s extends are dropped."""
+        if self.swa <= 0:
+            covers = [k for k, d in self.donors.items() if common_prefix(d.tokens, s.tokens) == len(s.tokens)]
+            if covers:
+                self.donors.move_to_end(covers[0])
+                return
+        L = lib()
+        size = L.llama_state_seq_get_size(self.ctx, s.id)
+        state = (ctypes.c_uint8 * size)()
+        if size == 0 or L.llama_state_seq_get_data(self.ctx, state, size, s.id) != size:
+            return
+        if self.swa <= 0:
+            for k in [k for k, d in self.donors.items() if common_prefix(d.tokens, s.tokens) == len(d.tokens)]:
+                self.donor_tokens -= len(self.donors.pop(k).tokens)
+        self.donors[next(self._donor_ids)] = _Donor(list(s.tokens), state)
+        self.donor_tokens += len(s.tokens)
+        while len(self.donors) > self.max_donors or self.donor_tokens > self.capacity_tokens:
+            self.donor_tokens -= len(self.donors.popitem(last=False)[1].tokens)
 
     def _forget(self, s: _Seq) -> None:
         lib().llama_memory_seq_rm(self.mem, s.id, -1, -1)
@@ -364,8 +424,7 @@ class LlamaRunner:
         self.batch_tokens = batch_tokens
         self.batch = _Batch(batch_tokens)
         self.probe_seq = params.n_seq_max - 1  # the health probe's own id (probe), never a row's
-        mem = L.llama_get_memory(self.ctx)
-        self.cache = SeqTable(mem, self.probe_seq, capacity, prefix_cache, max_donors=n_slots)
+        self.cache = SeqTable(self.ctx, self.probe_seq, capacity, prefix_cache, max_donors=n_slots, swa=model.swa)
         self._probe_batch: _Batch | None = None
 
     def set_threads(self, n: int) -> None:
