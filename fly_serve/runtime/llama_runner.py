@@ -254,21 +254,24 @@ class SeqTable:
         """A new row takes the longest prefix a held row or a donor shares with it (prefix cache)."""
         if not self.prefix_cache:
             return
-        best, n = None, 0
-        for other in [*self.rows.values(), *self.donors.items()]:
-            if other is not s:
-                m = min(common_prefix(other[1].tokens if isinstance(other, tuple) else other.tokens, toks), cap)
-                if m > n and (not isinstance(other, tuple) or self._restorable(other[1], m)):
-                    best, n = other, m
+        best, n = None, 0  # a held row's _Seq, or a donor's key
+        for other in self.rows.values():
+            m = min(common_prefix(other.tokens, toks), cap) if other is not s else 0
+            if m > n:
+                best, n = other, m
+        for k, donor in self.donors.items():
+            m = min(common_prefix(donor.tokens, toks), cap)
+            if m > n and self._restorable(donor, m):
+                best, n = k, m
         if best is None or n < MIN_SHARED:
             return
-        if isinstance(best, tuple):
-            if not self._restore(best[1], s.id):
-                return
-            self.donors.move_to_end(best[0])
-            lib().llama_memory_seq_rm(self.mem, s.id, n, -1)
-        else:
+        if isinstance(best, _Seq):
             lib().llama_memory_seq_cp(self.mem, best.id, s.id, 0, n)
+        else:
+            if not self._restore(self.donors[best], s.id):
+                return
+            self.donors.move_to_end(best)
+            lib().llama_memory_seq_rm(self.mem, s.id, n, -1)
         s.tokens = list(toks[:n])
         self.hits[key] = self.hits.get(key, 0) + n
         self.hit_tokens_total += n
