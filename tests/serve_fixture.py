@@ -46,6 +46,15 @@ def per_replica(deployment: str, method: str, n: int, app: str = "fly") -> list:
     return [getattr(handle.options(multiplexed_model_id=f"g{i}"), method).remote().result() for i in range(n)]
 
 
+def wait_ready(url: str, timeout_s: float = 240) -> None:
+    """Until the app's /healthz answers 200. A refused connection, a timeout or the proxy's own
+    answer while it still learns the routes is waited out, not failed on: a slow machine shows
+    them at start."""
+    from deployments.launch import wait_ready as ready
+
+    assert ready(url, timeout_s=timeout_s), f"{url} not ready in {timeout_s:.0f} s"
+
+
 def stop_serve():
     import ray
     from ray import serve

@@ -6,8 +6,7 @@ with both models there."""
 
 import pytest
 import requests
-from serve_fixture import start_serve, stop_serve
-from test_serve_topology import wait_ready
+from serve_fixture import start_serve, stop_serve, wait_ready
 
 from fly_serve.build import build_engine
 

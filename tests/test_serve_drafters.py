@@ -8,7 +8,7 @@ how many tokens and how many were kept; the openai client drives it as any OpenA
 import openai
 import pytest
 import requests
-from serve_fixture import running, start_serve, stop_serve
+from serve_fixture import running, start_serve, stop_serve, wait_ready
 
 from fly_serve.build import build_engine
 
@@ -24,15 +24,6 @@ def url():
     base = start_serve(APP)
     yield base
     stop_serve()
-
-
-def wait_ready(url: str) -> None:
-    import time
-
-    deadline = time.monotonic() + 240
-    while requests.get(f"{url}/healthz", timeout=10).status_code != 200:
-        assert time.monotonic() < deadline, "not ready"
-        time.sleep(0.5)
 
 
 def target_text(prompt: str, max_tokens: int) -> str:

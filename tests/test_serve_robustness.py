@@ -20,7 +20,7 @@ from urllib.parse import urlparse
 
 import pytest
 import requests
-from serve_fixture import ROOT, free_port, stop_serve
+from serve_fixture import ROOT, free_port, stop_serve, wait_ready
 
 from deployments.http.admission import Slots, serve_limits
 from deployments.http.middleware import authorized, resolve_api_key
@@ -71,7 +71,7 @@ def deploy(cfg: dict) -> None:
 APPS = {"fly", "locked", "budget", "poison"}
 
 
-def wait_running(timeout_s: float = 120) -> None:
+def wait_running(timeout_s: float = 240) -> None:
     from ray import serve
 
     deadline = time.monotonic() + timeout_s
@@ -103,17 +103,6 @@ def url():
     wait_ready(f"{base}/poison")
     yield base
     stop_serve()
-
-
-def wait_ready(base: str, timeout_s: float = 120) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        r = requests.get(f"{base}/healthz", timeout=10)
-        if r.status_code == 200:
-            return r.json()
-        assert r.status_code == 503 and r.json()["status"] in ("loading", "draining"), r.text
-        time.sleep(0.5)
-    raise AssertionError("not ready")
 
 
 def complete(url: str, timeout: float = TIMEOUT, **body) -> requests.Response:

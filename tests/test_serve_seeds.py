@@ -9,8 +9,7 @@ import threading
 
 import pytest
 import requests
-from serve_fixture import start_serve, stop_serve
-from test_serve_topology import wait_ready
+from serve_fixture import start_serve, stop_serve, wait_ready
 
 pytestmark = pytest.mark.serve
 

@@ -5,7 +5,7 @@ cpu-default.yaml's) give the in-process engine's outputs, with no deployment but
 
 import pytest
 import requests
-from serve_fixture import start_serve, stop_serve
+from serve_fixture import start_serve, stop_serve, wait_ready
 
 from fly_serve.build import build_engine
 
@@ -40,15 +40,6 @@ def post_ok(url: str, path: str, body: dict) -> dict:
     r = requests.post(f"{url}{path}", json=body, timeout=120)
     assert r.status_code == 200, r.text
     return r.json()
-
-
-def wait_ready(url: str) -> None:
-    import time
-
-    deadline = time.monotonic() + 180
-    while requests.get(f"{url}/healthz", timeout=10).status_code != 200:
-        assert time.monotonic() < deadline, "not ready"
-        time.sleep(0.5)
 
 
 @pytest.mark.parametrize("mode", ["fly", "spd", "ar"])
