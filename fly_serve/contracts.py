@@ -184,7 +184,8 @@ class Verdict:
 
     ok: draft i passed (greedy: equals the target's token; sampling: passed the p/q test).
     y [B, K+1]: the target's token at each position (recovered at a rejection, bonus at K).
-    h: the gate's entropy at each position (None when no row defers).
+    h: the gate's entropy at each mismatch, the only positions the gate reads (None when no row
+    defers; a scorer on the host leaves the other positions 0: vocab_reads.gate_entropy).
     support: the target's processed distribution gives the draft token p > 0 (a token outside
     the nucleus is never loosely accepted).
     topk [B, K+1, n]: the ids of the target's n likeliest tokens (greedy logits, best first) at

@@ -13,13 +13,13 @@ from fly_serve.build import build_engine
 from fly_serve.decision.sampling import keyed_draw, probs, seed_key, speculative_row
 from fly_serve.decision.verify import (
     decide,
-    entropy,
     greedy_check,
     plausibility_from_logits,
     plausibility_from_probs,
     plausible_mask,
     window_positions,
 )
+from fly_serve.decision.vocab_reads import argmax, entropy, gate_entropy
 from fly_serve.engine.params import ParamError, Params
 from fly_serve.engine.request_stats import RequestStats
 from fly_serve.loading.tiny import tiny_model, tiny_tokenizer
@@ -350,3 +350,37 @@ def test_coupled_drafts_are_accepted_between_the_coupling_bounds():
 def test_top_p():
     p = probs(torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05])), 1.0, top_p=0.7)
     assert torch.allclose(p, torch.tensor([0.625, 0.375, 0, 0]))
+
+
+def test_the_host_argmax_is_torchs_on_ties_nan_inf_and_views():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 4, 1000, generator=g)
+    x[0, 0, [7, 500]] = 9.0  # a tie: the first index
+    x[0, 1, :] = float("-inf")  # a fully masked position
+    x[1, 2, 300] = float("nan")  # NaN counts as the maximum
+    for t in (x, x[..., :900], x[:, 1:3], x.to(torch.float64)):  # views and a dtype numpy is not given
+        assert torch.equal(argmax(t), t.argmax(-1))
+    assert argmax(x).dtype == torch.int64
+
+
+def test_the_gate_entropy_is_computed_at_the_mismatches_the_gate_reads():
+    g = torch.Generator().manual_seed(4)
+    B, K, V = 3, 5, 400
+    logits = torch.randn(B, K + 1, V, generator=g) * 3
+    y = argmax(logits)
+    drafted = y[:, :K].clone()
+    for b, i in [(0, 1), (0, 3), (2, 4)]:
+        drafted[b, i] = (drafted[b, i] + 1) % V
+    n = torch.tensor([5, 5, 3])  # row 2's mismatch lies past its drafts
+    h = torch.full((B, K), -1.0)
+    gate_entropy(logits, drafted, y, n, [0, 2], "topk", h)
+    full = entropy(torch.softmax(logits[:, :K], -1), "topk")
+    assert torch.equal(h[0, [1, 3]], full[0, [1, 3]])  # the same numbers the full softmax gives there
+    untouched = torch.ones(B, K, dtype=torch.bool)
+    untouched[0, [1, 3]] = False
+    assert (h[untouched] == -1).all()  # matches, a row not asked for, a position past n
+    # decide reads the same verdict either way: h elsewhere is never read
+    ok = (drafted == y[:, :K]) & (torch.arange(K)[None, :] < n[:, None])
+    theta, check = torch.full((B,), 0.5), torch.ones(B, dtype=torch.long)
+    for a, b in zip(decide(ok, h, n, theta, check), decide(ok, full, n, theta, check)):
+        assert torch.equal(a, b)

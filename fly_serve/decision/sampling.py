@@ -37,6 +37,8 @@ import torch
 
 from fly_serve.contracts import Row
 
+from .vocab_reads import argmax
+
 MASK64 = 2**64 - 1
 
 
@@ -217,7 +219,7 @@ def keyed_draw(
         return torch.zeros(0, dtype=torch.long, device=p.device)
     pk = position_keys(keys, positions)
     step = max(1, CHUNK.get(p.device.type, DEFAULT_CHUNK) // V)
-    out = [(p[i : i + step].float() / exponentials(pk[i : i + step], V, tkeys)).argmax(-1) for i in range(0, N, step)]
+    out = [argmax(p[i : i + step].float() / exponentials(pk[i : i + step], V, tkeys)) for i in range(0, N, step)]
     return out[0] if len(out) == 1 else torch.cat(out)
 
 

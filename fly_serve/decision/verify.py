@@ -6,21 +6,9 @@ tensor ops (a prefix sum finds clean windows, an argmax the first rejection). te
 is a scalar Algorithm 1 that `decide` must agree with.
 """
 
-import math
-
 import torch
 
-
-def entropy(p: torch.Tensor, kind: str = "topk", top_k: int = 3) -> torch.Tensor:
-    """The gate's entropy of a distribution p (probabilities over the last dim): "full" is the
-    entropy normalized by log V (the paper), "topk" the entropy in nats of the top-3
-    probabilities (the authors' code and the vLLM port). At T > 0, p is the processed
-    (tempered, top-p) distribution, as the vLLM port reads it."""
-    p = p.float()
-    if kind == "full":
-        return -torch.special.xlogy(p, p).sum(-1) / math.log(p.shape[-1])
-    top = p.topk(min(top_k, p.shape[-1]), dim=-1).values
-    return -torch.special.xlogy(top, top).sum(-1)
+from .vocab_reads import argmax
 
 
 def padded(lists: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -36,7 +24,7 @@ def padded(lists: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
 def greedy_check(logits: torch.Tensor, drafts: torch.Tensor, n: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [B, K+1, V] over [pending token, d_1..d_K]; drafts [B, K]; n [B] drafts per row.
     Returns ok [B, K] (False past n) and the target's tokens y [B, K+1], on the CPU."""
-    y = logits.argmax(-1).cpu()
+    y = argmax(logits).cpu()
     K = drafts.shape[1]
     ok = (drafts == y[:, :-1]) & (torch.arange(K)[None, :] < n[:, None])
     return ok, y

@@ -44,6 +44,7 @@ from fly_serve.contracts import Drafts, DraftSource, ModelRunner, Row, RowTokens
 from fly_serve.decision.grammar import DraftMatchers, Grammars, Matcher, apply_masks
 from fly_serve.decision.sampling import RowKeys, keyed_draw, probs_rows
 from fly_serve.decision.verify import decide, greedy_check, padded
+from fly_serve.decision.vocab_reads import argmax
 
 from . import prompt_lookup
 from .fixed_loop import FixedLoop
@@ -311,7 +312,7 @@ class ModelDrafter:
         self._limit([rows[b] for b in idx], logits)
         if any(matchers[b] for b in idx):
             apply_masks(logits, [matchers[b].mask()[None] if matchers[b] else None for b in idx])
-        nxt = logits[:, 0].argmax(-1).tolist()  # [len(idx)]
+        nxt = argmax(logits[:, 0]).tolist()  # [len(idx)]
         out, guesses = list(rows), [None] * len(rows)
         for b, t in zip(idx, nxt):
             k = rows[b].k if matchers[b] is None or matchers[b].push([t]) else 0

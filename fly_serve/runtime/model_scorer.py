@@ -9,7 +9,8 @@ from fly_serve.contracts import Drafts, ModelRunner, Row, RowTokens, Verdict
 from fly_serve.decision.grammar import apply_masks
 from fly_serve.decision.host import to_host
 from fly_serve.decision.sampling import Generators, RowKeys, keyed_draw, probs, probs_rows, speculative_row
-from fly_serve.decision.verify import entropy, padded, plausibility_from_logits, plausibility_from_probs
+from fly_serve.decision.verify import padded, plausibility_from_logits, plausibility_from_probs
+from fly_serve.decision.vocab_reads import argmax, entropy, gate_entropy
 
 
 class ModelScorer:
@@ -52,7 +53,7 @@ class ModelScorer:
         drafted, n = padded(drafts.tokens)  # [B, K], [B] on the host
         K = drafted.shape[1]
         d = drafted.to(dev)
-        y = logits.argmax(-1)  # [B, K+1]: greedy rows' tokens; sampled rows' are drawn below
+        y = argmax(logits)  # [B, K+1]: greedy rows' tokens; sampled rows' are drawn below
         if self.topk == 1 and top is None:  # the top-1 is the argmax (no mask), taken before draws overwrite y
             top = y[..., None].clone()
         keyed = [b for b, r in enumerate(rows) if r.sampled and self.sample and drafts.q[b] is None]
@@ -64,8 +65,7 @@ class ModelScorer:
         h = torch.zeros(drafted.shape, device=dev) if K and any(r.entropy for r in rows) else None
         greedy_loose = [b for b, r in enumerate(rows) if r.entropy and not r.sampled] if h is not None else []
         for kind in {rows[b].entropy for b in greedy_loose}:
-            idx = [b for b in greedy_loose if rows[b].entropy == kind]
-            h[idx] = entropy(torch.softmax(logits[idx, :-1].float(), -1), kind)
+            gate_entropy(logits, d, y, n, [b for b in greedy_loose if rows[b].entropy == kind], kind, h)
         if keyed:
             self._draw_keyed([rows[b] for b in keyed], keyed, logits, d, y, support, ratio, h)
         y, h, support, top, ratio = to_host(y, h, support, top, ratio)  # the round's one read
