@@ -19,7 +19,7 @@ from fly_serve.decision.verify import (
     plausible_mask,
     window_positions,
 )
-from fly_serve.decision.vocab_reads import argmax, entropy, gate_entropy
+from fly_serve.decision.vocab_reads import argmax, entropy, gate_entropy, top_prob
 from fly_serve.engine.params import ParamError, Params
 from fly_serve.engine.request_stats import RequestStats
 from fly_serve.loading.tiny import tiny_model, tiny_tokenizer
@@ -384,3 +384,12 @@ def test_the_gate_entropy_is_computed_at_the_mismatches_the_gate_reads():
     theta, check = torch.full((B,), 0.5), torch.ones(B, dtype=torch.long)
     for a, b in zip(decide(ok, h, n, theta, check), decide(ok, full, n, theta, check)):
         assert torch.equal(a, b)
+
+
+def test_top_prob_is_the_softmax_maximum():
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(4, 3, 2000, generator=g) * 5
+    x[0, 0, :] = float("-inf")
+    x[0, 0, 9] = 1.0  # one token left: certain
+    assert torch.allclose(top_prob(x), torch.softmax(x, -1).amax(-1), rtol=1e-5)
+    assert float(top_prob(x)[0, 0]) == 1.0

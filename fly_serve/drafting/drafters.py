@@ -44,7 +44,7 @@ from fly_serve.contracts import Drafts, DraftSource, ModelRunner, Row, RowTokens
 from fly_serve.decision.grammar import DraftMatchers, Grammars, Matcher, apply_masks
 from fly_serve.decision.sampling import RowKeys, keyed_draw, probs_rows
 from fly_serve.decision.verify import decide, greedy_check, padded
-from fly_serve.decision.vocab_reads import argmax
+from fly_serve.decision.vocab_reads import argmax, top_prob
 
 from . import prompt_lookup
 from .fixed_loop import FixedLoop
@@ -359,7 +359,7 @@ class ModelDrafter:
         floor = self._floors(rows)
         if any(floor):
             last = logits[torch.arange(len(rows)), accept_len.to(logits.device)]
-            unsure = stopping(torch.softmax(last.float(), -1).max(-1).values.tolist(), floor)
+            unsure = stopping(top_prob(last).tolist(), floor)
         for b, (r, a) in enumerate(zip(rows, accept_len.tolist())):
             if proposals[b]:
                 tally = self.proposals_kept.setdefault(r.key, [1, 2])

@@ -33,6 +33,7 @@ import torch
 from fly_serve.contracts import ModelRunner, Row, RowTokens
 from fly_serve.decision.host import to_host
 from fly_serve.decision.sampling import RowKeys, keyed_draw, probs_rows
+from fly_serve.decision.vocab_reads import argmax, top_prob
 
 # The first step feeds at most this many tokens a row (a round whose drafts all passed leaves a
 # lag of 2: the last draft and the bonus); a row lagging more catches up before the loop.
@@ -104,7 +105,7 @@ class FixedLoop:
         tokens = []
         for j in range(K):
             x = logits[:, 0, :V]  # [B, V]: predicts each row's draft j
-            tok = x.argmax(-1)
+            tok = argmax(x)
             if sampled:
                 p = probs_rows(x[sampled][:, None], [rows[b] for b in sampled])[:, 0]
                 tok[sampled] = keyed_draw(p, keys, first + j)
@@ -112,7 +113,7 @@ class FixedLoop:
             if judge:  # drafters.stopping: the judged rows stop together when unsure
                 live = alive & active[:, j]
                 count += live
-                conf = torch.softmax(x.float(), -1).amax(-1)
+                conf = top_prob(x)
                 judged = live & (floor > 0)
                 unsure = (conf * judged).sum() < (floor * judged).sum()
                 alive = alive & ~(judged & unsure)
