@@ -10,7 +10,12 @@ server's own `timings` (tokens per second, drafts made and accepted).
 
 The server runs with the kernels fly-serve's llama.cpp runtime uses: weights repacked for llama.cpp's
 faster CPU kernels unless its AMX kernels would take them (llama_runner.amx_kernels_unsafe: then
-neither repacks), flash attention on and one KV pool for all slots (kv_unified), as LlamaRunner.
+neither repacks) and flash attention on, as LlamaRunner. Its KV cache is left as a user who
+starts `llama-server --parallel N` gets it: one stream of ctx-size / N cells per slot, each query
+attending to its own slot's cells (fly-serve's runtime keeps one pool for all rows, kv_unified;
+`flags={"kv-unified": True}` starts the peer that way). With 8 slots of 8 chats at once the
+per-slot cache ran 1.05-1.24x the unified one here (docs/journal.md, "The peer's KV cache as a user
+starts it").
 """
 
 import importlib.metadata
@@ -133,7 +138,7 @@ class LlamaServer:
             str(self.binary),
             *("--model", str(model), "--host", "127.0.0.1", "--port", str(self.port)),
             *("--threads", str(self.threads), "--parallel", str(slots), "--ctx-size", str(slots * context)),
-            *("--kv-unified", "--flash-attn", "on", "--no-webui"),
+            *("--flash-attn", "on", "--no-webui"),
             *([] if repack_allowed() else ["--no-repack"]),
             *(["--spec-draft-model", str(draft)] if draft else []),
             *(["--spec-type", spec_type] if spec_type else []),
