@@ -10,8 +10,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def start_serve(app_args: dict, name: str = "fly"):
     """Starts Ray (4 logical CPUs on this 2-core box; replicas ask for fractions) and runs the
-    app; returns the base URL. Workers import `deployments` and `fly_serve` through PYTHONPATH;
-    the HTTP proxy runs its guard with the app's body bounds, as `fly-serve serve` starts it."""
+    app; returns the base URL once its /healthz answers 200. Workers import `deployments` and
+    `fly_serve` through PYTHONPATH; the HTTP proxy runs its guard with the app's body bounds, as
+    `fly-serve serve` starts it."""
     os.environ["RAY_AUTH_MODE"] = "disabled"
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     from deployments.launch import proxy_bounds
@@ -28,7 +29,9 @@ def start_serve(app_args: dict, name: str = "fly"):
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build(app_args), name=name, route_prefix="/")
-    return f"http://127.0.0.1:{port}"
+    base = f"http://127.0.0.1:{port}"
+    wait_ready(base)  # the app RUNNING in Serve's status is not yet the proxy routing to it
+    return base
 
 
 def running(deployment: str, app: str = "fly") -> int:
