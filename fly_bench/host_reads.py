@@ -31,6 +31,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
+from fly_serve.decision import vocab_reads
+
 Tensor = torch.Tensor
 # Functions whose result is on the host, read off their (device) argument.
 READS = {
@@ -84,6 +86,15 @@ class HostReads(TorchFunctionMode):
         self.by_kind: Counter = Counter()
         for t in on_device:
             self._device[t] = True
+
+    def __enter__(self):
+        # the engine's host shortcuts (numpy's argmax, ...) read values a GPU run keeps on the device
+        self._host_paths, vocab_reads.HOST_PATHS = vocab_reads.HOST_PATHS, False
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        vocab_reads.HOST_PATHS = self._host_paths
+        return super().__exit__(*exc)
 
     def mark(self, tensors) -> None:
         """Treat these tensors as device-resident (a model's weights, a KV pool)."""

@@ -358,7 +358,7 @@ def test_the_host_argmax_is_torchs_on_ties_nan_inf_and_views():
     x[0, 0, [7, 500]] = 9.0  # a tie: the first index
     x[0, 1, :] = float("-inf")  # a fully masked position
     x[1, 2, 300] = float("nan")  # NaN counts as the maximum
-    for t in (x, x[..., :900], x[:, 1:3], x.to(torch.float64)):  # views and a dtype numpy is not given
+    for t in (x, x[..., :900], x[:, 1:3], x[0, 2], x.to(torch.float64)):  # views, 1-D, a dtype numpy is not given
         assert torch.equal(argmax(t), t.argmax(-1))
     assert argmax(x).dtype == torch.int64
 

@@ -2,7 +2,7 @@
 cheapest.
 
 - `argmax`: on the host a float32 argmax goes through numpy, whose reduction is vectorized;
-  torch's CPU argmax over a 151,936-wide last axis ran 6-12x slower (docs/journal.md, "The
+  torch's CPU argmax over a 151,936-wide last axis ran 4-12x slower (docs/journal.md, "The
   round's reads of the vocabulary"). On a device the tensor stays where it is (torch's kernel).
 - `top_prob`: a drafter's confidence in its token, max softmax, as exp(max - logsumexp): no
   probabilities written out (a softmax and its max took 1.7x as long here).
@@ -10,18 +10,28 @@ cheapest.
   deferred position is `~ok & unsure`), so on the host only mismatched positions pay a softmax
   over the vocabulary. On a device every position is computed: finding the mismatches first
   would cost a read of the device (a sync) for kernels that cost little there.
+
+Both host shortcuts read values on the host, so fly_bench.host_reads, which counts a CPU run's
+reads as a GPU's, turns them off while it counts (HOST_PATHS): the CPU then takes the device's path.
 """
 
 import math
 
+import numpy as np
 import torch
+
+HOST_PATHS = True  # False: every tensor takes the device's path (fly_bench.host_reads)
+
+
+def _on_host(t: torch.Tensor) -> bool:
+    return HOST_PATHS and t.device.type == "cpu"
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """logits [..., V] -> int64 [...] on logits' device; the first index of the maximum (NaN
     counts as the maximum), as torch.argmax."""
-    if logits.device.type == "cpu" and logits.dtype == torch.float32:
-        return torch.from_numpy(logits.detach().numpy().argmax(-1))
+    if _on_host(logits) and logits.dtype == torch.float32:
+        return torch.from_numpy(np.asarray(logits.detach().numpy().argmax(-1)))
     return logits.argmax(-1)
 
 
@@ -52,7 +62,7 @@ def gate_entropy(
     on a device at every position."""
     K = drafted.shape[1]
     idx = torch.tensor(rows, dtype=torch.long, device=logits.device)
-    if logits.device.type != "cpu":
+    if not _on_host(logits):
         h[idx] = entropy(torch.softmax(logits[idx, :K].float(), -1), kind)
         return
     miss = (drafted[idx] != y[idx, :K]) & (torch.arange(K)[None, :] < n[idx, None])  # [R, K]

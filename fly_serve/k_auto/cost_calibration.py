@@ -223,7 +223,10 @@ def _powers_to(n: int) -> list[int]:
 
 def timing_rows(n_rows: int, vocab: int, k: int, seed: int = 0) -> list[Row]:
     """Dummy greedy rows of CONTEXT_TOKENS random ids (different per row), drafting k, without
-    MLA. entropy "topk": the target computes the gate's entropy too, as for `fly` rows."""
+    MLA. entropy "topk": the target computes the gate's entropy too, as for loose `fly` rows. On
+    the host it is computed at mismatches only (vocab_reads.gate_entropy) and these random drafts
+    mismatch everywhere: a loose row's worst case there (~0.5 ms a position more than a round
+    with few mismatches); strict rows, the served default's, compute none."""
     gen = torch.Generator().manual_seed(seed)
     ctx = torch.randint(vocab, (max(n_rows, 1), CONTEXT_TOKENS), generator=gen).tolist()  # [B, T]
     return [Row(f"{KEY_PREFIX}{b}", ctx[b], k, mla=False, entropy="topk") for b in range(n_rows)]
