@@ -49,13 +49,33 @@ def per_replica(deployment: str, method: str, n: int, app: str = "fly") -> list:
     return [getattr(handle.options(multiplexed_model_id=f"g{i}"), method).remote().result() for i in range(n)]
 
 
-def wait_ready(url: str, timeout_s: float = 240) -> None:
-    """Until the app's /healthz answers 200. A refused connection, a timeout or the proxy's own
-    answer while it still learns the routes is waited out, not failed on: a slow machine shows
-    them at start."""
-    from deployments.launch import wait_ready as ready
+def wait_ready(url: str, timeout_s: float = 240) -> dict:
+    """Until the app's /healthz answers 200; returns its body. A refused connection, a timeout or
+    the proxy's own answer while it still learns the routes (not our JSON) is waited out: a slow
+    machine shows them at start. Our own (JSON) answer before then must be a 503 saying it is
+    loading or draining: never unhealthy, never a 500."""
+    import time
 
-    assert ready(url, timeout_s=timeout_s), f"{url} not ready in {timeout_s:.0f} s"
+    import requests
+
+    deadline, last = time.monotonic() + timeout_s, None
+    while time.monotonic() < deadline:
+        try:
+            r = requests.get(f"{url}/healthz", timeout=10)
+        except requests.RequestException as e:
+            last = repr(e)
+        else:
+            try:
+                body = r.json()
+            except ValueError:
+                body = None  # the proxy's plain text
+            if isinstance(body, dict):  # our app's answer
+                if r.status_code == 200:
+                    return body
+                assert r.status_code == 503 and body.get("status") in ("loading", "draining"), r.text
+            last = f"{r.status_code} {r.text[:200]}"
+        time.sleep(0.5)
+    raise AssertionError(f"{url} not ready in {timeout_s:.0f} s; last answer: {last}")
 
 
 def stop_serve():
