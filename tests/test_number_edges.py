@@ -55,7 +55,10 @@ ENGINE_TABLE = {
     "seed": row(zero=OK, one=OK, negative=OK),
 }
 # How each knob is exercised: with the mode that reads it (temperature needs T > 0 for top_p).
+# Every sampled case carries a seed: an unseeded draw on the tiny model can pick its EOS first and
+# answer no tokens at all (CI saw it once at temperature 0.5), which is right but not this table's point.
 CONTEXT = {
+    "temperature": {"seed": 5},
     "top_p": {"temperature": 1.0, "seed": 3},
     "seed": {"temperature": 1.0},
     "theta": {"mode": "fly", "k": 4},
