@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from .config import DRAFTER_CPU_AUTO, DrafterSpec, EngineConfig
+from .config import DRAFTER_CPU_AUTO, DRAFTER_GGUF_AUTO, DrafterSpec, EngineConfig
 from .contracts import Drafter, ModelRunner, Scorer
 from .decision.grammar import Grammars
 from .drafting.cross_vocab import CrossVocabDrafter
@@ -300,6 +300,7 @@ def load_drafter_model(name: str, config: EngineConfig, device, progress):
         runtime=config.runtime,
         knob="drafter_precision",
         cpu_auto=DRAFTER_CPU_AUTO,
+        gguf_auto=DRAFTER_GGUF_AUTO,
     )
 
 

@@ -44,6 +44,9 @@ if TYPE_CHECKING:
 # What drafter_precision "auto" means for a drafter on torch on a CPU: dynamic int8 (the drafter
 # only proposes; strict verification keeps the output the target's).
 DRAFTER_CPU_AUTO = "int8"
+# And on llama.cpp: the GGUF file requantized to Q4_0 once, where it ships heavier and the Q4_0
+# form keeps its confident choices (loading/gguf_requant.py; the target always runs as shipped).
+DRAFTER_GGUF_AUTO = "q4_0"
 
 
 @dataclass(frozen=True)
@@ -54,10 +57,11 @@ class EngineConfig:
     # or {name: {"model": ..., "greedy": "string" | "tli"}} (DrafterSpec); a request picks one by
     # name (Params.drafter), else k auto chooses per row
     drafters: dict | None = None
-    # The target's and the drafter's precision. "auto": the runtime's own (llama.cpp: the GGUF file
-    # as shipped; torch: loading.resolve_precision, a drafter int8 on a CPU). Any other value is
-    # applied (runtime auto then loads that model on torch) or refused (runtime llama.cpp): never
-    # silently ignored (loading.resolve_runtime).
+    # The target's and the drafter's precision. "auto": the runtime's own (llama.cpp: the target's
+    # GGUF file as shipped, a drafter's requantized to Q4_0; torch: loading.resolve_precision, a
+    # drafter int8 on a CPU). A torch precision is applied (runtime auto then loads that model on
+    # torch) or refused (runtime llama.cpp); a drafter's q4_0 or shipped is llama.cpp's, refused
+    # on torch: never silently ignored (loading.resolve_runtime).
     dtype: str = "auto"
     drafter_precision: str = "auto"
     drafter_head_cut: int | None = None  # cut the drafter's lm_head to ids below this (head_cut.py)

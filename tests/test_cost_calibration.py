@@ -224,6 +224,7 @@ def test_the_key_names_machine_models_precision_shape_and_versions():
         "dtype",
         "runtime",
         "drafter_precision",
+        "drafter_gguf_auto",  # what a drafter's auto means on llama.cpp (q4_0): the file it times
         "drafter_head_cut",
         "max_batch",
         "k_max",
@@ -236,12 +237,13 @@ def test_the_key_names_machine_models_precision_shape_and_versions():
         key(dtype="bf16"),
         key(max_batch=8),
         key(drafter_precision="fp32"),
+        key(drafter_precision="shipped"),
         key(drafter_head_cut=1000),
         key(runtime="llama.cpp"),
     )
     ahead = (key(draft_ahead=True), key(draft_ahead=True, draft_threads=1))  # timed with both sides busy
     hashes = {cc.key_hash(x) for x in (k, key(), key(k_max=4), *others, *ahead)}
-    assert len(hashes) == 10
+    assert len(hashes) == 11
     assert cc.key_hash(key()) == cc.key_hash(key())
 
 

@@ -45,7 +45,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fly_serve.config import DrafterSpec, EngineConfig
+from fly_serve.config import DRAFTER_GGUF_AUTO, DrafterSpec, EngineConfig
 from fly_serve.contracts import Drafts, Row
 from fly_serve.loading.weights import cache_dir
 from fly_serve.runtime import onednn_linear
@@ -156,6 +156,9 @@ def calibration_key(config: EngineConfig, k_max: int, *, target=None, drafters=N
         "dtype": resolve_precision(config.dtype),
         "runtime": resolve_runtime(config.runtime, target_name, progress=lambda _: None),
         "drafter_precision": config.drafter_precision,
+        # what a drafter's "auto" means on llama.cpp (its file requantized): named, so that a
+        # profile timed with the drafter as shipped is not read for the requantized one
+        **({"drafter_gguf_auto": DRAFTER_GGUF_AUTO} if config.drafter_precision == "auto" else {}),
         "drafter_head_cut": config.drafter_head_cut,
         "max_batch": int(config.max_batch),
         "k_max": int(k_max),

@@ -6,7 +6,9 @@ directory or a hub id (weights.resolve). Precision: "auto" (resolve_precision), 
 quantization with per-channel weights, CPU only: a drafter's precision), quantized once and kept
 in the cache (weights.converted_path), so a start loads it instead of quantizing again. int8 asked
 for on a GPU resolves to bf16 (logged): torch.ao's dynamic int8 has no GPU kernels, and a profile's
-drafter precision must not stop a GPU host from starting.
+drafter precision must not stop a GPU host from starting. Two precisions are llama.cpp's and a
+drafter's only: "q4_0" (its GGUF requantized to Q4_0 once, gguf_requant.py) and "shipped" (the file
+as it ships); on llama.cpp a drafter's "auto" means the caller's `gguf_auto` (config.py: q4_0).
 The device is the caller's (devices.py: what Ray assigned), by default this process's own. A drafter
 may also cut its lm_head to the ids below `head_cut` (head_cut.py). An fp32 model on a CPU gets
 its linear layers packed for oneDNN where that times faster here (onednn_linear.py). A tensor-parallel rank reads
@@ -23,13 +25,15 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Genera
 from fly_serve.runtime import onednn_linear, tp
 from fly_serve.runtime.devices import is_gpu, local_device
 
+from .gguf_requant import faithful, requantized
 from .head_cut import check_head_cut, cut_head
 from .sharded_load import load_shard
 from .tiny import poisoned, tiny_model, tiny_sp_tokenizer, tiny_sp_vocab_size, tiny_tokenizer
 from .weights import cache_dir, converted_path, gguf_file, load_converted, resolve, resolve_meta
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-PRECISIONS = ("auto", "bf16", "fp32", "int8")
+GGUF_PRECISIONS = ("q4_0", "shipped")  # a drafter's on runtime llama.cpp (module docstring)
+PRECISIONS = ("auto", "bf16", "fp32", "int8", *GGUF_PRECISIONS)
 RUNTIMES = ("auto", "torch", "llama.cpp")
 # "tiny:N": a tiny random model; "tiny:N:poison": one whose forward fails on tiny.POISON_ID, so
 # that a test can send a request that fails for its own reasons (tiny.poisoned); "tiny-sp:N": one of
@@ -94,13 +98,21 @@ def resolve_runtime(
     it runs a GGUF file at the file's own quantization. Under "auto" such a model runs on torch at
     that precision (a user who asks for fp32 wants fp32's numbers: torch fp32 is where strict
     decoding gives the target's own greedy text, docs/tuning.md), saying so; with "llama.cpp"
-    asked for by name it is refused, naming the knob. Never one silently ignored."""
+    asked for by name it is refused, naming the knob. Never one silently ignored. The GGUF
+    precisions (q4_0, shipped) are the other way round: llama.cpp's only, refused on torch."""
     from fly_serve.runtime import llama_runner
 
     if runtime not in RUNTIMES:
         raise ValueError(f"runtime: must be one of {', '.join(RUNTIMES)} (got {runtime!r})")
+    if precision in GGUF_PRECISIONS:
+        if runtime == "torch" or not isinstance(name, str) or world > 1:
+            raise ValueError(
+                f"{knob}: {precision} is a GGUF drafter's precision on runtime llama.cpp (one process, a CPU); "
+                f"use {knob} auto, int8, bf16 or fp32 on torch"
+            )
+        runtime = "llama.cpp"  # asked for by its precision: refused below where it cannot run
     if runtime == "llama.cpp":
-        if precision != "auto":
+        if precision not in ("auto", *GGUF_PRECISIONS):
             raise ValueError(
                 f"{knob}: runtime llama.cpp runs a GGUF file at its own quantization, so {knob} {precision} cannot "
                 f"apply; use {knob} auto, or runtime torch for {precision}"
@@ -162,6 +174,7 @@ def load_model(
     runtime: str = "torch",
     knob: str = "precision",
     cpu_auto: str | None = None,
+    gguf_auto: str = "shipped",
 ):
     """The model `name` at `precision` (tiny models are always fp32), this rank's shard of
     `world`, on `device` (default: this process's, devices.local_device), in eval mode. head_cut:
@@ -169,11 +182,17 @@ def load_model(
     option, head_cut.py). runtime "llama.cpp" (or "auto" choosing it, resolve_runtime): a
     llama_runner.GGUFModel of the file as shipped, at its own quantization, and only with
     precision "auto" (`knob` names the precision in a refusal). cpu_auto: what "auto" means for
-    this model on torch on a CPU (a drafter's: int8), else resolve_precision's rule."""
+    this model on torch on a CPU (a drafter's: int8), else resolve_precision's rule. gguf_auto: what
+    "auto" means on llama.cpp (a drafter's: q4_0; a tiny model's file always runs as written); the
+    GGUF precisions are a drafter's only, refused for a model whose auto is "shipped" (a target)."""
     if precision not in PRECISIONS:
         raise ValueError(f"{knob}: must be one of {', '.join(PRECISIONS)} (got {precision!r})")
+    if precision in GGUF_PRECISIONS and gguf_auto == "shipped":
+        raise ValueError(f"{knob}: {precision} is a drafter's precision; a target runs its GGUF as shipped (auto)")
     if resolve_runtime(runtime, name, device, world, progress, precision, knob) == "llama.cpp":
-        return _gguf(name, head_cut, progress)
+        if precision == "auto":  # a tiny model's file runs as written
+            precision = f"{gguf_auto}?" if gguf_auto != "shipped" and tiny_seed(name) is None else "shipped"
+        return _gguf(name, head_cut, progress, precision)
     device = torch.device(device) if device is not None else local_device()
     if precision == "auto" and cpu_auto is not None and not is_gpu(device):
         precision = cpu_auto
@@ -200,12 +219,19 @@ def load_model(
     return model.to(device)
 
 
-def _gguf(name: str, head_cut: int | None, progress):
+def _gguf(name: str, head_cut: int | None, progress, precision: str = "shipped"):
+    """The GGUF model at `precision`: "shipped", "q4_0", or "q4_0?" (a drafter's auto: the Q4_0
+    form where it is faithful to the shipped file, gguf_requant.faithful)."""
     from fly_serve.runtime.llama_runner import GGUFModel
 
     if check_head_cut(head_cut) is not None:
-        raise ValueError("head_cut: cuts a torch model's lm_head; runtime llama.cpp runs the GGUF as shipped")
-    return GGUFModel(gguf_path(name, progress))
+        raise ValueError("head_cut: cuts a torch model's lm_head; runtime llama.cpp runs a GGUF file whole")
+    path = gguf_path(name, progress)
+    if precision in ("q4_0", "q4_0?"):
+        light = requantized(path, progress)
+        if precision == "q4_0" or light == path or faithful(path, light, progress):
+            path = light
+    return GGUFModel(path)
 
 
 def gguf_path(name: str, progress=print):

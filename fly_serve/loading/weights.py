@@ -87,7 +87,7 @@ def cache_dir() -> Path:
 
 
 @contextmanager
-def _locked(path: Path):
+def file_lock(path: Path):
     # Several Ray Serve replicas may start at once; only one should assemble/convert.
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as fh:
@@ -174,7 +174,7 @@ def _assembled(name: str, progress) -> Path:
     gguf = cache / f"{name}.gguf"
     if gguf.is_file() and gguf.stat().st_size == spec.size:  # renamed into place only once verified
         return gguf
-    with _locked(cache / f".{name}.lock"):
+    with file_lock(cache / f".{name}.lock"):
         if not (gguf.is_file() and gguf.stat().st_size == spec.size):
             start = time.monotonic()
             _assemble(name, spec, gguf, progress)
@@ -187,7 +187,7 @@ def _prepare_embedded(name: str, progress) -> Path:
     if hf_dir.is_dir():  # fast path: converted on an earlier start
         return hf_dir
     gguf = _assembled(name, progress)
-    with _locked(cache_dir() / f".{name}.lock"):
+    with file_lock(cache_dir() / f".{name}.lock"):
         if hf_dir.is_dir():  # another process finished while we waited
             return hf_dir
         start = time.monotonic()
@@ -203,7 +203,7 @@ def _prepare_meta(name: str, progress) -> Path:
     if meta.is_dir():
         return meta
     gguf = _assembled(name, progress)
-    with _locked(cache_dir() / f".{name}.lock"):
+    with file_lock(cache_dir() / f".{name}.lock"):
         if meta.is_dir():
             return meta
         from transformers import AutoConfig, GenerationConfig
@@ -281,7 +281,7 @@ def load_converted(path: Path, build, progress=print):
     is our own cache, written by this function, so unpickling it is as trusted as the code."""
     if path.is_file():
         return torch.load(path, weights_only=False, mmap=True)
-    with _locked(path.with_name(f".{path.name}.lock")):
+    with file_lock(path.with_name(f".{path.name}.lock")):
         if path.is_file():  # another process finished while we waited
             return torch.load(path, weights_only=False, mmap=True)
         start = time.monotonic()
