@@ -1152,3 +1152,40 @@ def test_free_drafts_the_prior_prices_out_are_probed_and_drafted_once_they_hold(
     for _ in range(100):
         assert policy.choose([RowInfo("a", 8, MODEL, free_k=6), RowInfo("b", 8, MODEL, free_k=6)]) == [0, 0]
         policy.record(RoundTrace(["a", "b"], [0, 0], [0, 0], kinds=[NONE, NONE], draft_s=0.0, verify_s=0.06))
+
+
+def test_a_short_lookup_match_is_never_probed_and_priced_at_most_at_its_own_rate():
+    """Prompt lookup after a match shorter than its longest n-gram (RowInfo.free_strong False):
+    no free probe goes to it (on two cores its drafts seldom pay for the probe's width), and the
+    plan prices it at no more than SHORT_MATCH_ACCEPTANCE however well the row's strong matches
+    held; where a wider verification costs little it still drafts."""
+    from fly_serve.k_auto.speculation_policy import SHORT_MATCH_ACCEPTANCE
+
+    wide = flat_profile(0.045, per_token=0.035, per_forward=0.03)  # 2 tokens 1.8x one: a 2-core CPU
+    policy = SpeculationPolicy()
+    policy.set_profile(wide, measured_here=True)
+    for _ in range(300):  # the free probe a strong match gets (test above) never comes
+        ks = policy.choose([RowInfo("r", 8, MODEL, free_k=6, free_strong=False)])
+        assert policy.free == [False]
+        if ks[0] > 0:  # the drafter's own probe, its budget's gap apart
+            policy.record(RoundTrace(["r"], ks, [0], kinds=[MODEL], draft_s=0.1, verify_s=0.2, forwards=ks[0]))
+        else:
+            policy.record(RoundTrace(["r"], [0], [0], kinds=[NONE], draft_s=0.0, verify_s=0.045))
+    # the row's lookups held (a strong match drafted and kept all): its short match stays priced low
+    policy.tracker.observe(free_key("r"), drafted=6, kept=6)
+    assert policy.tracker.estimate(free_key("r")) > SHORT_MATCH_ACCEPTANCE
+    assert policy._as_free(RowInfo("r", 8, MODEL, free_k=6, free_strong=False)).acceptance == SHORT_MATCH_ACCEPTANCE
+    assert policy.choose([RowInfo("r", 8, MODEL, free_k=6, free_strong=False)]) == [0]
+    assert policy.choose([RowInfo("r", 8, MODEL, free_k=6)])[0] > 0 and policy.free == [True]
+    # a verification almost as cheap as a plain step (a GPU): the short match is worth drafting
+    cheap = SpeculationPolicy(cost_model(0.035, per_token=0.0005, per_forward=0.03))
+    assert cheap.choose([RowInfo("r", 8, MODEL, free_k=6, free_strong=False)])[0] > 0 and cheap.free == [True]
+
+
+def test_prompt_lookup_says_whether_its_longest_ngram_matched():
+    from fly_serve.drafting.drafters import PromptLookup
+
+    lookup = PromptLookup(min_n=2)
+    assert lookup.strong([1, 2, 3, 4, 9, 1, 2, 3, 4])  # the last 4 tokens occurred before
+    assert not lookup.strong([1, 2, 3, 4, 9, 7, 2, 3, 4])  # only 3 of them
+    assert lookup.propose([1, 2, 3, 4, 9, 7, 2, 3, 4], 2) == [9, 7]  # which still proposes

@@ -97,11 +97,18 @@ class PromptLookup:
         self.max_n, self.min_n = max_n, min_n
         self.indexes = indexes if indexes is not None else prompt_lookup.LookupIndexes(max(max_n, 4))
 
-    def propose(self, tokens: list[int], k: int) -> list[int]:
+    def propose(self, tokens: list[int], k: int, min_n: int | None = None) -> list[int]:
+        """min_n: this call's shortest match (default the source's own)."""
+        min_n = self.min_n if min_n is None else min_n
         key = getattr(tokens, "key", None)
         if key is None or k <= 0:
-            return prompt_lookup.propose(tokens, k, self.max_n, self.min_n)
-        return self.indexes.of(key, tokens, tokens.final).propose(tokens, k, self.max_n, self.min_n)
+            return prompt_lookup.propose(tokens, k, self.max_n, min_n)
+        return self.indexes.of(key, tokens, tokens.final).propose(tokens, k, self.max_n, min_n)
+
+    def strong(self, tokens: list[int]) -> bool:
+        """Whether the last max_n tokens occurred before: the match whose drafts are kept far more
+        often than a shorter one's (docs/journal.md, "Probes on a strong match")."""
+        return bool(self.propose(tokens, 1, min_n=self.max_n))
 
     def release(self, keys: list[str]) -> None:
         self.indexes.release(keys)

@@ -539,6 +539,7 @@ class Engine:
                 req.params.mode_spec.source or NONE,
                 fixed=f,
                 free_k=len(offers.get(b, (None, []))[1]),
+                free_strong=b in offers and (offers[b][0] != "pld" or self.free_lookup.strong(RowTokens.of(row))),
                 drafter_lag=self._lag(req, req.drafter or self.default_drafter),
                 drafter=req.drafter,
                 drafters=choices[b],

@@ -29,6 +29,9 @@ class RowInfo:
     # A model row's alternative this round: the drafts its model-free sources propose (no
     # drafter forward); 0: none (speculation_policy.choose weighs them against the model's)
     free_k: int = 0
+    # Whether those drafts follow a match of prompt lookup's longest n-gram (or come from another
+    # source): only such an offer is probed (speculation_policy._free_probes)
+    free_strong: bool = True
     # Tokens the model drafter must prefill before it can draft this row (it has not drafted
     # since these were committed): what a probe of a row left at k = 0 pays first
     drafter_lag: int = 0

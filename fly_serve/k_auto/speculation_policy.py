@@ -87,6 +87,13 @@ def with_fields(r: RowInfo, **changes) -> RowInfo:
 DRAFTER = "\x00d:"
 PLANS_KEPT = 8  # recent plans remembered by their inputs (SpeculationPolicy._plan)
 ESTIMATE_DIGITS = 2  # a tracked acceptance or tokens per forward as the plan reads it (choose)
+# The most a prompt lookup after a match shorter than its longest n-gram is priced at (a property of
+# text, not of a machine): on the target's own greedy text of five of our prompts such matches kept
+# their first draft 52% of the time (131 offers), 4-gram ones 83-98% on code and a rewrite
+# (docs/journal.md, "Probes on a strong match"). The row's free estimate, learned mostly from its
+# strong matches, would price them at that; where a wider verification costs little (a GPU), 0.5
+# still drafts them.
+SHORT_MATCH_ACCEPTANCE = 0.5
 
 
 @dataclass
@@ -331,9 +338,10 @@ class SpeculationPolicy:
 
     def _as_free(self, r: RowInfo) -> RowInfo:
         key = free_key(r.key)
-        return RowInfo(
-            key, r.free_k, PLD, round(self.tracker.estimate(key), ESTIMATE_DIGITS), 1.0, fixed=False, drafter=r.drafter
-        )
+        acceptance = self.tracker.estimate(key)
+        if not r.free_strong:
+            acceptance = min(acceptance, SHORT_MATCH_ACCEPTANCE)
+        return RowInfo(key, r.free_k, PLD, round(acceptance, ESTIMATE_DIGITS), 1.0, fixed=False, drafter=r.drafter)
 
     def cost_for(self, n_rows: int) -> RoundCostModel:
         """The model a round of n_rows is planned from: the frozen one for a row alone, UnderLoad's
@@ -415,13 +423,18 @@ class SpeculationPolicy:
         (_budget_gap; otherwise probe_every, as a model probe's, for the cost check). A row alone
         only: in a batch the probe widens every row's forward, and served at 8 users that cost more
         than it found; probe_k drafts, since one kept draft lifts the estimate too little to ramp
-        the row up (both measured: docs/journal.md, "free drafts the prior priced out")."""
+        the row up (both measured: docs/journal.md, "free drafts the prior priced out"). Only an
+        offer after a match of lookup's longest n-gram (RowInfo.free_strong): on two cores a
+        shorter match's 4 drafts kept 0.8-1.3 tokens on average, a 4-gram's 2.7-3.8 on code and a
+        rewrite (docs/journal.md, "Probes on a strong match")."""
         if room <= 0 or batch:
             return []
         due = []
         for b, r in enumerate(rows):
             key = free_key(r.key)
             if b in taken or r.source != MODEL or r.fixed or r.free_k <= 0 or ks[b] > 0 or r.limit <= 0:
+                continue
+            if not r.free_strong:  # a short match's drafts seldom pay for the probe's width
                 continue
             idle = self._idle.get(key, 0)
             if idle <= self._gap.get(key, self.probe_every):  # the stored gap first: priced only past it
