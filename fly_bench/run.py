@@ -18,7 +18,7 @@ from pathlib import Path
 
 from fly_serve.config import DRAFTER_CPU_AUTO
 from fly_serve.engine.params import MODES
-from fly_serve.loading.loading import RUNTIMES
+from fly_serve.loading.loading import PRECISIONS, RUNTIMES
 
 from . import choose, datasets, report
 from .methods import Method, Output, Peer, ServerPeer, parse_method, run_engine
@@ -84,7 +84,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--dtype", default="auto", help="target precision (auto: bf16 where the hardware has it, else fp32)")
     p.add_argument(
-        "--drafter-precision", default="auto", help="auto: the GGUF as shipped on llama.cpp, int8 on torch on a CPU"
+        "--drafter-precision",
+        default="auto",
+        choices=PRECISIONS,
+        help="auto: on llama.cpp the GGUF requantized to Q4_0 where faithful (fly_serve/loading/gguf_requant.py), "
+        "int8 on torch on a CPU; shipped: the GGUF as is",
     )
     p.add_argument(
         "--threads", type=int, default=None, help="threads of torch, llama.cpp and llama-server (default: torch's)"
@@ -216,7 +220,12 @@ def torch_models(bench: Bench) -> tuple:
         drafter = None
         if needs_drafter(bench, "torch"):
             drafter = load_model(
-                bench.drafter_name, args.drafter_precision, progress=_quiet, runtime="torch", cpu_auto=DRAFTER_CPU_AUTO
+                bench.drafter_name,
+                args.drafter_precision,
+                progress=_quiet,
+                runtime="torch",
+                knob="drafter_precision",
+                cpu_auto=DRAFTER_CPU_AUTO,
             )
         bench.torch_models = (target, drafter)
     return bench.torch_models
@@ -224,7 +233,8 @@ def torch_models(bench: Bench) -> tuple:
 
 def engine_on(bench: Bench, runtime: str):
     """The engine of the pair on `runtime`, built on first use: on torch from the loaded models
-    the hf peers share, on llama.cpp from the GGUF files by name (memory-mapped as shipped)."""
+    the hf peers share, on llama.cpp from the GGUF files by name (the target as shipped, the drafter at
+    --drafter-precision: fly_serve/loading/gguf_requant.py)."""
     from fly_serve.build import build_engine
 
     if runtime not in bench.engines:
@@ -285,7 +295,13 @@ def run_notes(bench: Bench) -> list[str]:
         )
     if "llama.cpp" in bench.engines or bench.server:
         files = ", ".join(str(gguf_path(name, _quiet)) for name in (bench.target_name, bench.drafter_name))
-        notes.append(f"llama.cpp and llama-server: the GGUF files as shipped ({files}); {_repack_note()}")
+        ours = bench.engines.get("llama.cpp")
+        runs = getattr(getattr(getattr(ours, "drafters", {}).get("model"), "runner", None), "model", None)
+        drafter = f"; the llama.cpp engine's drafter runs {runs.path}" if runs is not None else ""
+        notes.append(
+            f"llama-server: the GGUF files as shipped ({files}){drafter} (drafter_precision "
+            f"{args.drafter_precision}: fly_serve/loading/gguf_requant.py); {_repack_note()}"
+        )
     notes.append(
         "first divergence: the first token where an output parts from ar's (same dataset, T, batch, sample); "
         "bf16 verification can part outputs too (compare the spd row). First loose accept: the exact output "
@@ -299,7 +315,7 @@ def run_notes(bench: Bench) -> list[str]:
         )
     if bench.server and bench.server.servers:
         notes.append(
-            f"llama-server peers ({_server_version(bench.server)}): the same GGUF files, prompts sent as token ids "
+            f"llama-server peers ({_server_version(bench.server)}): the shipped GGUF files, prompts sent as token ids "
             "to /completion (streamed; greedy at T=0; no prompt cache, as the engines run without one); a batch "
             "of b is b requests at once to its slots (continuous batching); 'vs llama-server' is tok/s over "
             "llama-server's at the same dataset, T and batch. Commands: "

@@ -58,7 +58,7 @@ class EngineConfig:
     # name (Params.drafter), else k auto chooses per row
     drafters: dict | None = None
     # The target's and the drafter's precision. "auto": the runtime's own (llama.cpp: the target's
-    # GGUF file as shipped, a drafter's requantized to Q4_0; torch: loading.resolve_precision, a
+    # GGUF file as shipped, a drafter's requantized to Q4_0 where faithful; torch: loading.resolve_precision, a
     # drafter int8 on a CPU). A torch precision is applied (runtime auto then loads that model on
     # torch) or refused (runtime llama.cpp); a drafter's q4_0 or shipped is llama.cpp's, refused
     # on torch: never silently ignored (loading.resolve_runtime).
@@ -99,8 +99,8 @@ class EngineConfig:
     # replayed from CUDA graphs), "auto" (fixed on CUDA, mla elsewhere)
     draft_loop: str = "auto"
     # The models' runtime (loading.resolve_runtime): "auto" runs a model that ships as GGUF on
-    # llama.cpp's CPU kernels as shipped (llama_runner.py) and everything else on torch (GPUs, TP,
-    # checkpoints, tiny test models); "torch" or "llama.cpp" to choose.
+    # llama.cpp's CPU kernels (llama_runner.py; the drafter at drafter_precision) and everything
+    # else on torch (GPUs, TP, checkpoints, tiny test models); "torch" or "llama.cpp" to choose.
     runtime: str = "auto"
 
     def params(self) -> Params:

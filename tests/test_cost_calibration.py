@@ -224,7 +224,6 @@ def test_the_key_names_machine_models_precision_shape_and_versions():
         "dtype",
         "runtime",
         "drafter_precision",
-        "drafter_gguf_auto",  # what a drafter's auto means on llama.cpp (q4_0): the file it times
         "drafter_head_cut",
         "max_batch",
         "k_max",
@@ -244,6 +243,8 @@ def test_the_key_names_machine_models_precision_shape_and_versions():
     ahead = (key(draft_ahead=True), key(draft_ahead=True, draft_threads=1))  # timed with both sides busy
     hashes = {cc.key_hash(x) for x in (k, key(), key(k_max=4), *others, *ahead)}
     assert len(hashes) == 11
+    # a drafter's auto on llama.cpp is its file requantized (loading/gguf_requant.py): named there only
+    assert key(runtime="llama.cpp")["drafter_gguf_auto"] == "q4_0" and "drafter_gguf_auto" not in k
     assert cc.key_hash(key()) == cc.key_hash(key())
 
 

@@ -1189,3 +1189,10 @@ def test_prompt_lookup_says_whether_its_longest_ngram_matched():
     assert lookup.strong([1, 2, 3, 4, 9, 1, 2, 3, 4])  # the last 4 tokens occurred before
     assert not lookup.strong([1, 2, 3, 4, 9, 7, 2, 3, 4])  # only 3 of them
     assert lookup.propose([1, 2, 3, 4, 9, 7, 2, 3, 4], 2) == [9, 7]  # which still proposes
+    # a row's tokens by key (the engine's path): its index answers the same
+    from fly_serve.contracts import RowTokens
+
+    row = [1, 2, 3, 4, 9, 7, 2, 3, 4]
+    assert not lookup.strong(RowTokens(row, final=len(row), key="r"))
+    row += [9, 7, 2, 3, 4]  # now 7 2 3 4 occurred before
+    assert lookup.strong(RowTokens(row, final=len(row), key="r"))

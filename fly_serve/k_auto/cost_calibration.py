@@ -149,16 +149,21 @@ def calibration_key(config: EngineConfig, k_max: int, *, target=None, drafters=N
     from fly_serve.loading.loading import resolve_precision, resolve_runtime
 
     target_name = config.target if target is None else target
+    runtime = resolve_runtime(config.runtime, target_name, progress=lambda _: None)
     return {
         "machine": machine(),
         "target": model_name(config.target if target is None else target),
         "drafter": drafters_key(config, drafters),
         "dtype": resolve_precision(config.dtype),
-        "runtime": resolve_runtime(config.runtime, target_name, progress=lambda _: None),
+        "runtime": runtime,
         "drafter_precision": config.drafter_precision,
         # what a drafter's "auto" means on llama.cpp (its file requantized): named, so that a
         # profile timed with the drafter as shipped is not read for the requantized one
-        **({"drafter_gguf_auto": DRAFTER_GGUF_AUTO} if config.drafter_precision == "auto" else {}),
+        **(
+            {"drafter_gguf_auto": DRAFTER_GGUF_AUTO}
+            if config.drafter_precision == "auto" and runtime == "llama.cpp"
+            else {}
+        ),
         "drafter_head_cut": config.drafter_head_cut,
         "max_batch": int(config.max_batch),
         "k_max": int(k_max),

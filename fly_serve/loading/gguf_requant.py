@@ -7,8 +7,9 @@ including the output head and the embeddings) is the lightest type llama.cpp's f
 take. The embedded 0.5B drafter ships at 6.2 bits a weight (Q5_0 body, a Q8_0 head of 151,936
 rows); requantized, its one-token forward took 0.72x the time and a 5-token one 0.59x, with the
 same acceptance on our prompts (docs/journal.md, "The drafter at Q4_0"). The rule, not a
-measurement of a machine: a file heavier than Q4_0 is requantized, one as light or lighter runs as
-shipped. The target is never requantized: its outputs are the answer.
+measurement of a machine: a file heavier than LIGHT_BITS is requantized, one as light runs as
+shipped (a 4-bit k-quant, ~4.9 bits a weight, would gain little). The target is never
+requantized: its outputs are the answer.
 
 Coarser weights change a small drafter's choices more: Gemma 3 270M (its tied head and embeddings
 are most of its weights) lost 7-20% of its acceptance at Q4_0 where the Qwen 0.5B lost none. So a
@@ -18,7 +19,6 @@ shipped file is confident (a property of the files, not of the machine: checked 
 the Q4_0 file). Asked for by name (drafter_precision q4_0), the Q4_0 form runs regardless."""
 
 import hashlib
-import importlib.metadata as md
 import json
 import os
 import time
@@ -27,7 +27,7 @@ from pathlib import Path
 from .weights import cache_dir, file_lock
 
 Q4_0_BITS = 4.5  # 32 weights in 18 bytes
-_SLACK = 0.1  # f32 norms and biases lift a Q4_0 file's average a little above 4.5
+LIGHT_BITS = 5.0  # a file at most this heavy runs as shipped (Q4_0, Q4_K_M and lighter)
 # faithful(): the share of confident positions (the shipped file's top probability >= CONFIDENT)
 # whose greedy token the Q4_0 form keeps. On REFERENCE (2026-12-07): Qwen2.5-Coder 0.5B 0.95
 # (its acceptance unchanged), Gemma 3 270M 0.71 (its acceptance 7-20% lower; docs/journal.md)
@@ -85,7 +85,9 @@ def q4_0_path(path: Path) -> Path:
     """Where the requantized form of `path` is kept: named by the file (path, size, mtime) and the
     llama.cpp that wrote it."""
     st = path.stat()
-    key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|llama-cpp-python {md.version('llama-cpp-python')}"
+    from fly_serve.runtime.llama_runner import lib
+
+    key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|llama-cpp-python {lib().__version__}"
     return cache_dir() / "converted" / f"{path.stem}-q4_0-{hashlib.sha256(key.encode()).hexdigest()[:12]}.gguf"
 
 
@@ -98,7 +100,7 @@ def requantized(path: Path, progress=print) -> Path:
     if out.is_file():
         return out
     bits = bits_per_weight(path)
-    if bits <= Q4_0_BITS + _SLACK:
+    if bits <= LIGHT_BITS:
         return path
     with file_lock(out.with_name(f".{out.name}.lock")):
         if not out.is_file():
@@ -135,19 +137,33 @@ def _quantize(src: Path, out: Path) -> None:
 
 def faithful(shipped: Path, light: Path, progress=print) -> bool:
     """Whether the Q4_0 form keeps the shipped file's confident greedy choices (module docstring),
-    computed once and kept beside it."""
+    computed once (under a lock: replicas may start together) and kept beside it, for this
+    reference text and confidence bound."""
     verdict = light.with_name(f"{light.stem}.agreement.json")
-    try:
-        agreement = json.loads(verdict.read_text())["agreement"]
-    except (OSError, ValueError, KeyError):
-        agreement = _agreement(shipped, light)
-        verdict.write_text(json.dumps({"agreement": agreement, "confident": CONFIDENT}))
+    asked = {"confident": CONFIDENT, "reference": hashlib.sha256(REFERENCE.encode()).hexdigest()[:12]}
+    agreement = _read_verdict(verdict, asked)
+    if agreement is None:
+        with file_lock(verdict.with_name(f".{verdict.name}.lock")):
+            agreement = _read_verdict(verdict, asked)
+            if agreement is None:
+                agreement = _agreement(shipped, light)
+                tmp = verdict.with_name(f".{verdict.name}.tmp{os.getpid()}")
+                tmp.write_text(json.dumps({"agreement": agreement, **asked}))
+                os.replace(tmp, verdict)
     if agreement < AGREEMENT:
         progress(
             f"drafter: {shipped.name} runs as shipped: its Q4_0 form kept {agreement:.0%} of its confident "
             f"greedy choices (< {AGREEMENT:.0%}); drafter_precision q4_0 runs it anyway"
         )
     return agreement >= AGREEMENT
+
+
+def _read_verdict(path: Path, asked: dict) -> float | None:
+    try:
+        got = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return got.get("agreement") if all(got.get(k) == v for k, v in asked.items()) else None
 
 
 def _agreement(shipped: Path, light: Path) -> float:

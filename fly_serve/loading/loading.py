@@ -89,17 +89,20 @@ def resolve_runtime(
     """The model runtime a model runs on: "torch" or "llama.cpp" (llama_runner.py).
 
     "auto": llama.cpp's kernels on a CPU for a model that ships as a GGUF file (the embedded pair,
-    a .gguf path), run as shipped; torch elsewhere: on a GPU, for tensor parallelism, for an
-    already loaded model, for safetensors checkpoints and for the tiny test models. Without the
-    native part (llama-cpp-python not importable) "auto" says why and runs torch; asked for by
-    name, "llama.cpp" fails with that reason.
+    a .gguf path; a target as shipped, a drafter as load_model's gguf_auto makes it); torch
+    elsewhere: on a GPU, for tensor parallelism, for an already loaded model, for safetensors
+    checkpoints and for the tiny test models. Without the native part (llama-cpp-python not
+    importable) "auto" says why and runs torch; asked for by name, "llama.cpp" fails with that
+    reason.
 
     A precision asked for (`precision`, the knob `knob`, not "auto") is one llama.cpp cannot give:
     it runs a GGUF file at the file's own quantization. Under "auto" such a model runs on torch at
     that precision (a user who asks for fp32 wants fp32's numbers: torch fp32 is where strict
     decoding gives the target's own greedy text, docs/tuning.md), saying so; with "llama.cpp"
     asked for by name it is refused, naming the knob. Never one silently ignored. The GGUF
-    precisions (q4_0, shipped) are the other way round: llama.cpp's only, refused on torch."""
+    precisions (q4_0, shipped) are the other way round: llama.cpp's only, refused on torch asked
+    for by name; under "auto" on a GPU the model runs on torch at its auto precision, saying so (a
+    profile's drafter precision must not stop a GPU host from starting, as int8's does not)."""
     from fly_serve.runtime import llama_runner
 
     if runtime not in RUNTIMES:
@@ -110,6 +113,9 @@ def resolve_runtime(
                 f"{knob}: {precision} is a GGUF drafter's precision on runtime llama.cpp (one process, a CPU); "
                 f"use {knob} auto, int8, bf16 or fp32 on torch"
             )
+        if runtime == "auto" and is_gpu(device if device is not None else local_device()):
+            progress(f"{knob}: {precision} is llama.cpp's, on a CPU; on this GPU {name} runs on torch at auto")
+            return "torch"
         runtime = "llama.cpp"  # asked for by its precision: refused below where it cannot run
     if runtime == "llama.cpp":
         if precision not in ("auto", *GGUF_PRECISIONS):
@@ -132,7 +138,7 @@ def resolve_runtime(
         return "torch"
     if precision != "auto":
         progress(
-            f"runtime auto: torch for {name}, since {knob} {precision} was asked (llama.cpp runs its GGUF as shipped)"
+            f"runtime auto: torch for {name}, since {knob} {precision} was asked (llama.cpp runs a GGUF quantized)"
         )
         return "torch"
     return "llama.cpp"
@@ -180,19 +186,21 @@ def load_model(
     `world`, on `device` (default: this process's, devices.local_device), in eval mode. head_cut:
     keep only the lm_head rows of ids below it and of the tokenizer's added tokens (a drafter's
     option, head_cut.py). runtime "llama.cpp" (or "auto" choosing it, resolve_runtime): a
-    llama_runner.GGUFModel of the file as shipped, at its own quantization, and only with
-    precision "auto" (`knob` names the precision in a refusal). cpu_auto: what "auto" means for
+    llama_runner.GGUFModel of the GGUF file, with precision "auto" or a GGUF precision (`knob`
+    names the precision in a refusal). cpu_auto: what "auto" means for
     this model on torch on a CPU (a drafter's: int8), else resolve_precision's rule. gguf_auto: what
     "auto" means on llama.cpp (a drafter's: q4_0; a tiny model's file always runs as written); the
     GGUF precisions are a drafter's only, refused for a model whose auto is "shipped" (a target)."""
     if precision not in PRECISIONS:
         raise ValueError(f"{knob}: must be one of {', '.join(PRECISIONS)} (got {precision!r})")
     if precision in GGUF_PRECISIONS and gguf_auto == "shipped":
-        raise ValueError(f"{knob}: {precision} is a drafter's precision; a target runs its GGUF as shipped (auto)")
+        raise ValueError(f"{knob}: {precision} applies to a draft model's GGUF file on llama.cpp; use {knob} auto")
     if resolve_runtime(runtime, name, device, world, progress, precision, knob) == "llama.cpp":
         if precision == "auto":  # a tiny model's file runs as written
             precision = f"{gguf_auto}?" if gguf_auto != "shipped" and tiny_seed(name) is None else "shipped"
         return _gguf(name, head_cut, progress, precision)
+    if precision in GGUF_PRECISIONS:  # on a GPU (resolve_runtime said so): torch's own auto
+        precision = "auto"
     device = torch.device(device) if device is not None else local_device()
     if precision == "auto" and cpu_auto is not None and not is_gpu(device):
         precision = cpu_auto
@@ -227,10 +235,14 @@ def _gguf(name: str, head_cut: int | None, progress, precision: str = "shipped")
     if check_head_cut(head_cut) is not None:
         raise ValueError("head_cut: cuts a torch model's lm_head; runtime llama.cpp runs a GGUF file whole")
     path = gguf_path(name, progress)
-    if precision in ("q4_0", "q4_0?"):
-        light = requantized(path, progress)
-        if precision == "q4_0" or light == path or faithful(path, light, progress):
-            path = light
+    if precision == "q4_0":
+        path = requantized(path, progress)
+    elif precision == "q4_0?":
+        try:
+            light = requantized(path, progress)
+            path = light if light == path or faithful(path, light, progress) else path
+        except (OSError, RuntimeError) as e:  # a full or read-only cache: the file as shipped still runs
+            progress(f"drafter: {path.name} runs as shipped: its Q4_0 form could not be made or checked ({e})")
     return GGUFModel(path)
 
 

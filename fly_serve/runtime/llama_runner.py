@@ -1,5 +1,6 @@
-"""A model runtime on llama.cpp's CPU kernels: a GGUF model run as shipped (quantized weights,
-no dequantization), through llama-cpp-python's C API.
+"""A model runtime on llama.cpp's CPU kernels: a GGUF model run at its file's quantization (no
+dequantization; a drafter's file may be a requantized one, loading/gguf_requant.py), through
+llama-cpp-python's C API.
 
 It offers the scorer and the model drafter what runner.Runner offers them (contracts.ModelRunner):
 `feed` brings each row's KV cache up to its tokens in one batched `llama_decode` and returns logits
