@@ -92,8 +92,8 @@ def q4_0_path(path: Path) -> Path:
 
 
 def requantized(path: Path, progress=print) -> Path:
-    """The GGUF file a drafter at precision q4_0 runs: `path` itself if it is already as light as
-    Q4_0, else its Q4_0 form, written once (under a lock: replicas may start together) and renamed
+    """The GGUF file a drafter at precision q4_0 runs: `path` itself if it is at most LIGHT_BITS a
+    weight already, else its Q4_0 form, written once (under a lock: replicas may start together) and renamed
     into place only when complete."""
     path = Path(path)
     out = q4_0_path(path)
