@@ -28,7 +28,7 @@ def add_pair(p: argparse.ArgumentParser) -> None:
         "--drafter-precision",
         choices=PRECISIONS,
         default="auto",
-        help="auto: on llama.cpp the GGUF requantized to Q4_0 once (unless it ships as light), int8 on torch on "
+        help="auto: on llama.cpp the GGUF requantized to Q4_0 once where that form is faithful, int8 on torch on "
         "a CPU; q4_0 or shipped: the GGUF on llama.cpp (refused with --runtime torch); bf16, fp32 or int8 run the "
         "drafter on torch at it (refused with --runtime llama.cpp)",
     )
