@@ -53,7 +53,7 @@ FLY = {"mode": "fly", "k": 4, "theta": 0.3, "window": 2}
 PROMPTS = ["def add(a, b):\n    return", "The quick brown fox", "1, 2, 3, 4, 5,", "hello hello hello"]
 LONG_TOKENS = 200  # in flight across the kill: ~15 s here, so they end while the head is down
 DOWN_S = 8.0  # the head stays down this long (then its start takes seconds more) while requests keep coming
-READY_S, SCALE_S, RECOVERY_S = 240.0, 120.0, 180.0
+READY_S, SCALE_S, RECOVERY_S, PROXY_S = 240.0, 120.0, 180.0, 60.0
 REPLICAS = ("FlyIngress", "FlyTarget", "TPWorker", "FlyDrafter")
 
 
@@ -172,8 +172,12 @@ def test_the_head_runs_no_replica_and_every_node_with_one_runs_a_proxy(cluster, 
     # Serve runs a proxy on the head and on every node with a replica, and each answers (a worker
     # node's on its own port here: one machine)
     with_replica = {p.node_id for name in ("FlyIngress", "FlyTarget", "FlyDrafter") for p in cluster.where(name)}
+    wanted = with_replica | {cluster.head.node_id}
+    # the controller starts a node's proxy in a later pass of its loop than the replica that
+    # brings it there, so the app can answer before every proxy runs: wait for them, bounded
+    until(lambda: True if {p.node_id for p in cluster.where("ProxyActor")} >= wanted else None, PROXY_S)
     proxies = {p.node_id for p in cluster.where("ProxyActor")}
-    assert proxies == with_replica | {cluster.head.node_id}, (proxies, with_replica)
+    assert proxies == wanted, (proxies, with_replica)
     for node_id in proxies:
         assert generate(cluster.proxy_url(cluster.node(node_id)), PROMPTS[0]) == reference[PROMPTS[0]]
 
