@@ -178,8 +178,10 @@ def test_the_head_runs_no_replica_and_every_node_with_one_runs_a_proxy(cluster, 
     until(lambda: True if {p.node_id for p in cluster.where("ProxyActor")} >= wanted else None, PROXY_S)
     proxies = {p.node_id for p in cluster.where("ProxyActor")}
     assert proxies == wanted, (proxies, with_replica)
-    for node_id in proxies:
-        assert generate(cluster.proxy_url(cluster.node(node_id)), PROMPTS[0]) == reference[PROMPTS[0]]
+    for node_id in proxies:  # a proxy just started answers 503 until its routes arrive: ready first
+        url = cluster.proxy_url(cluster.node(node_id))
+        assert wait_ready(url, timeout_s=PROXY_S), f"the proxy on {cluster.type_of(node_id)} never became ready"
+        assert generate(url, PROMPTS[0]) == reference[PROMPTS[0]]
 
 
 def test_the_head_killed_mid_load_then_restarted_on_its_redis_serves_on_without_a_redeploy(cluster, reference):

@@ -49,7 +49,8 @@ def test_a_part_that_fails_its_probe_makes_it_unhealthy_until_it_answers():
     up.clear()
     prober.round_failed("a rank died")
     assert until(lambda: prober.broken is not None) and "drafter pool" in prober.broken
-    assert not prober.checking.is_set()  # the verdict is in: waiting requests get their 503
+    # the verdict is in (checking is cleared just after broken is set): waiting requests get their 503
+    assert until(lambda: not prober.checking.is_set())
     up.set()
     assert until(lambda: prober.broken is None)
     prober.stop()

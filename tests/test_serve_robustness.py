@@ -219,8 +219,10 @@ def test_engine_loop_survives_a_failing_sink_and_reports_a_stuck_round():
     verify = engine.scorer.verify
     engine.scorer.verify = lambda rows, drafts: release.wait(30) and verify(rows, drafts)  # a hanging target
     loop.submit("hello", {"max_tokens": 2, "mode": "ar"}, "r3", got.append).result(timeout=30)
-    time.sleep(0.5)
-    assert "round has run" in loop.problem()
+    deadline = time.monotonic() + 10  # the engine's thread starts the hanging round when it gets to it
+    while "round has run" not in (loop.problem() or "") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert "round has run" in (loop.problem() or "")
     release.set()
     loop.stop("test over")
     loop.thread.join(30)

@@ -11,6 +11,7 @@ import requests
 from serve_fixture import start_serve, stop_serve
 
 from deployments.routing.unit_router import ROUTING_STATS_PERIOD_S, SESSION_HEADER
+from loadtest.waits import until
 
 pytestmark = pytest.mark.serve
 
@@ -48,9 +49,19 @@ def url():
             ready.add(unit_of(r))
         else:
             time.sleep(0.5)
-    time.sleep(3 * ROUTING_STATS_PERIOD_S)  # the proxy's router has read every unit's "ready"
+    # the proxy's router has read every unit's "ready" once sessions spread over both and stay put
+    # (its stats arrive every ROUTING_STATS_PERIOD_S, later on a loaded machine): bounded
+    assert until(lambda: settled(base), 120), "sessions never settled over both units"
     yield base
     stop_serve()
+
+
+def settled(url) -> bool | None:
+    """True if 16 sessions meet both units, and the same ones twice, a few stats periods apart."""
+    first = {s: unit_of(healthz(url, f"settle-{s}")) for s in range(16)}
+    time.sleep(2 * ROUTING_STATS_PERIOD_S)
+    again = {s: unit_of(healthz(url, f"settle-{s}")) for s in range(16)}
+    return True if first == again and set(first.values()) == {0, 1} else None
 
 
 def complete(url, prompt: str, session: str | None) -> requests.Response:
@@ -95,7 +106,7 @@ def test_a_draining_unit_gets_no_more_sessions(url):
     home = unit_of(healthz(url, session))
     # a handle call with the same session id meets the same unit (the rule is the router's)
     serve.get_deployment_handle("FlyIngress", "fly").options(session_id=session).drain.remote().result()
-    deadline = time.monotonic() + 10 * ROUTING_STATS_PERIOD_S
+    deadline = time.monotonic() + max(60.0, 10 * ROUTING_STATS_PERIOD_S)  # the router's stats, on a loaded machine
     while (r := healthz(url, session)).status_code != 200:  # 503 "draining" until the router reads it
         assert r.json()["status"] == "draining" and unit_of(r) == home
         assert time.monotonic() < deadline, "the router kept sending the session to its draining unit"
