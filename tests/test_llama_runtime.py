@@ -138,6 +138,26 @@ def test_a_donor_is_kept_out_of_the_cache_and_restored_for_the_prefix_it_shares(
     assert torch.allclose(logits[0, 0], torch_logits(prompt + list(range(100, 130)) + [9])[-1], atol=TOL)
 
 
+def test_a_prompt_cached_whole_costs_its_next_request_one_token(gguf):
+    """The same prompt again (a retry, a second user, a bench's bursts): the engine's catch-up feeds
+    all but the last token, wanting no logits, and the round's forward the last. The catch-up adopts
+    every token it would feed from the donor and calls nothing; the round then feeds one token (it
+    adopted one token fewer, so two one-token decodes paid the first token twice over)."""
+    prompt = list(range(20, 60))
+    r = runner(gguf, prefix_cache=True)
+    r.catch_up(["a"], [prompt])
+    r.feed(["a"], [prompt], tail=[1])
+    r.release(["a"])
+    decodes = []
+    decode = r._decode_chunk
+    r._decode_chunk = lambda ids, *a: (decodes.append(len(ids)), decode(ids, *a))[1]
+    r.catch_up(["b"], [prompt])
+    assert decodes == [] and held(r, "b") == len(prompt) - 1 and r.cache.take_hits(["b"]) == [len(prompt) - 1]
+    logits, fed = r.feed(["b"], [prompt], tail=[1])
+    assert decodes == [1] and fed == [1]
+    assert torch.allclose(logits[0, 0], torch_logits(prompt)[-1], atol=TOL)
+
+
 def firsts(r: LlamaRunner) -> list[int]:
     """Each donor's first token, least recently used first."""
     return [d.tokens[0] for d in r.cache.donors.values()]

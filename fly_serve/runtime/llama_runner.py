@@ -219,7 +219,8 @@ class SeqTable:
     # ---- the content rule
     def plan(self, keys: list[str], tokens: list[list[int]], limits, protect=()) -> list[tuple[_Seq, int]]:
         """[(seq, start)] per row: its cells hold tokens[:start] (the rest removed), the caller feeds
-        the rest. At least the last token is fed, and never is start past the row's limit."""
+        the rest. Never is start past the row's limit; without one, at least the last token is fed
+        (its logits are wanted). A limit of len(tokens) may leave nothing to feed."""
         if len(set(keys)) != len(keys):
             raise ValueError(f"a key appears twice in one call: {keys}")
         if not all(tokens):
@@ -227,7 +228,7 @@ class SeqTable:
         busy = set(keys) | set(protect)
         plans = []
         for key, toks, limit in zip(keys, tokens, limits or [None] * len(keys)):
-            cap = len(toks) - 1 if limit is None else min(len(toks) - 1, limit)
+            cap = len(toks) - 1 if limit is None else min(len(toks), limit)
             s = self.rows.get(key)
             if s is None:
                 s = self.rows[key] = _Seq(self._take_id(busy))
@@ -447,6 +448,8 @@ class LlamaRunner:
         cached; logits False: None. Padding positions hold zeros. Raises KVCacheFull when the
         tokens do not fit after evicting idle sequences (what this call fed is then removed)."""
         limits = None if tail is None else [len(t) - n for t, n in zip(tokens, tail)]
+        if not logits and tail is None:  # no logits wanted: a row whose every token is cached feeds none
+            limits = [len(t) for t in tokens]
         plans = self.cache.plan(keys, tokens, limits, protect)
         fed = [len(toks) - start for (_, start), toks in zip(plans, tokens)]
         if not logits:
@@ -456,7 +459,7 @@ class LlamaRunner:
         if self.reproducible and sum(fed) == 1 and plans[fed.index(1)][1] > 0:
             # a lone token takes llama.cpp's split-KV attention: the token before it goes again
             b = fed.index(1)
-            limits = list(limits or [len(t) for t in tokens])
+            limits = list(limits or [len(t) - 1 for t in tokens])  # as plan caps a row without one
             limits[b] = plans[b][1] - 1
             plans = self.cache.plan(keys, tokens, limits, protect)
             fed = [len(toks) - start for (_, start), toks in zip(plans, tokens)]
@@ -481,6 +484,8 @@ class LlamaRunner:
         reader is done with a round's logits before its next feed). Otherwise each wanted row is
         copied once into its slot, and only the padding slots are zeroed."""
         fed = [len(toks) - start for (_, start), toks in zip(plans, tokens)]
+        if not any(fed):  # every row cached whole (a catch-up that adopted a donor's cells): no call
+            return None
         rows = np.repeat(np.arange(len(plans)), fed)  # [N]: the row of each fed token
         pos = np.concatenate([np.arange(start, len(toks), dtype=np.int32) for (_, start), toks in zip(plans, tokens)])
         ids = np.concatenate([np.asarray(toks[start:], np.int32) for (_, start), toks in zip(plans, tokens)])
