@@ -99,6 +99,8 @@ def test_old_timeout_names_are_still_accepted():
         ("tp_startup_timeout_s", 0),
         ("call_timeout_s", 0),
         ("max_waiting", -1),
+        ("stream_interval_s", -0.1),
+        ("stream_interval_s", 60),  # a stream silent that long reads as stalled
     ],
 )
 def test_bad_profile_values_name_the_field(field, value):

@@ -6,6 +6,7 @@ on the same files gives: plain, speculative, strict FLy, streamed and not, and t
 client. (Tiny models pick torch under runtime auto, so without this no Serve test would run it.)"""
 
 import json
+import time
 
 import openai
 import pytest
@@ -16,6 +17,7 @@ from fly_serve.build import build_engine
 
 pytestmark = pytest.mark.serve
 
+STREAM_INTERVAL_S = 0.5  # streams paced, as the CPU profiles' (0.2 s there)
 APP = {
     "tiny": True,
     "runtime": "llama.cpp",
@@ -24,6 +26,7 @@ APP = {
     "drafter_placement": "ingress",
     "max_batch": 4,
     "defaults": {"max_tokens": 16},
+    "stream_interval_s": STREAM_INTERVAL_S,
 }
 PROMPTS = ["def add(a, b):\n    return", "The quick brown fox", "1, 2, 3, 4, 5,"]
 # fixed k: one request alone then runs the same rounds streamed or not, here and in process
@@ -88,3 +91,23 @@ def test_the_openai_client_chats_with_it(url):
     )
     assert out.choices[0].finish_reason in ("length", "stop") and out.usage.completion_tokens > 0
     assert out.model_extra["fly"]["rounds"] >= 1
+
+
+def test_a_stream_is_paced_and_arrives_whole(url, reference):
+    """The first text at once, then at most a chunk every stream_interval_s (deployments/ingress/
+    stream_pacing.py), the text as unstreamed and the usage on the last chunk."""
+    body = {"prompt": PROMPTS[2], "max_tokens": 48, "fly": {"mode": "ar"}}
+    full = requests.post(f"{url}/v1/completions", json=body, timeout=120).json()
+    want, n = full["choices"][0]["text"], full["usage"]["completion_tokens"]
+    assert want == reference(PROMPTS[2], {"mode": "ar", "max_tokens": 48}) and n >= 24  # a long stream
+    t0, texts, last = time.monotonic(), [], None
+    with requests.post(f"{url}/v1/completions", json={**body, "stream": True}, stream=True, timeout=120) as s:
+        assert s.status_code == 200
+        for line in s.iter_lines(decode_unicode=True):
+            if line.startswith("data: ") and line != "data: [DONE]":
+                last = json.loads(line[6:])
+                texts.append(last["choices"][0]["text"])
+    elapsed = time.monotonic() - t0
+    assert "".join(texts) == want and last["usage"]["completion_tokens"] == n
+    assert len(texts) <= 2 + elapsed / STREAM_INTERVAL_S  # the first, the paced ones, the end
+    assert len(texts) < n  # a chunk a round would be one a token

@@ -62,6 +62,7 @@ from .engine_loop import EngineLoop, Update
 from .health import Part, Prober
 from .metrics import ServingMetrics
 from .sse import events
+from .stream_pacing import paced
 from .tokenization import PromptEncoder
 
 api = FastAPI(title="fly-serve")
@@ -112,11 +113,12 @@ class Ingress:
         (app.bind_drafters); None: the draft models in this process (drafter_placement ingress)."""
         serve_at_priority(args.serving_nice)  # first: the engine loop and drafter threads inherit it
         config = args.engine_config()
-        self.model_name, self.call_timeout_s, self.max_body_bytes, self.body_timeout_s = (
+        self.model_name, self.call_timeout_s, self.max_body_bytes, self.body_timeout_s, self.stream_interval_s = (
             args.model_name,
             args.call_timeout_s,
             args.max_body_bytes,
             args.body_timeout_s,
+            args.stream_interval_s,
         )
         self.metrics = ServingMetrics()
         self.errors = ErrorAnswers(self.metrics)
@@ -458,7 +460,8 @@ class Ingress:
             return self.errors.answer(e, ids).body(ids.client_id)
 
         try:
-            async for event in events(self._updates(ids, queue, client_field), bodies, include_usage, error_event):
+            updates = paced(self._updates(ids, queue, client_field), self.stream_interval_s)
+            async for event in events(updates, bodies, include_usage, error_event):
                 done = done or event == "data: [DONE]\n\n"
                 yield event
         finally:

@@ -100,6 +100,11 @@ class AppArgs(BaseModel):
     # an engine-loop round running longer means the loop is stuck: the ingress is unhealthy
     stuck_round_s: float = timeout(DEFAULT_STUCK_ROUND_S, "stuck_round_s", "round_timeout_s")
     max_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, gt=0)  # a larger request body gets 413
+    # A stream sends its text at most once every this many seconds (the first text and the end at
+    # once): each chunk costs the service's processes work, taken from the forward where they share
+    # its cores (deployments/ingress/stream_pacing.py). 0: a chunk every round. At most 5 s: a
+    # longer silence reads as a stalled stream.
+    stream_interval_s: float = Field(0.0, ge=0.0, le=5.0)
     body_timeout_s: float = timeout(DEFAULT_BODY_TIMEOUT_S)  # a body not all read by then gets 408
     # The target replica's own limits: one verify / release on every TP rank (past it the group is
     # rebuilt; keep it <= call_timeout_s so the target fails the call before its caller gives up),
