@@ -2,8 +2,8 @@
 tiny pair written as GGUF files (fly_serve/loading/tiny_gguf.py) in cpu-default's composition
 (both models inside the ingress process), `runtime: llama.cpp`. The ingress process runs
 llama.cpp's library (read from its memory map), and what it answers is what the in-process engine
-on the same files gives: plain, speculative, strict FLy, streamed and not, and through the openai
-client. (Tiny models pick torch under runtime auto, so without this no Serve test would run it.)"""
+on the same files gives: plain, speculative, strict FLy, streamed (paced) and not, and through the
+openai client. (Tiny models pick torch under runtime auto, so without this no Serve test would run it.)"""
 
 import json
 import time
@@ -94,8 +94,9 @@ def test_the_openai_client_chats_with_it(url):
 
 
 def test_a_stream_is_paced_and_arrives_whole(url, reference):
-    """The first text at once, then at most a chunk every stream_interval_s (deployments/ingress/
-    stream_pacing.py), the text as unstreamed and the usage on the last chunk."""
+    """At most a chunk every stream_interval_s besides the first and the last (deployments/ingress/
+    stream_pacing.py; the first at once: tests/test_stream_pacing.py), the text as unstreamed and the
+    usage on the last chunk."""
     body = {"prompt": PROMPTS[2], "max_tokens": 48, "fly": {"mode": "ar"}}
     full = requests.post(f"{url}/v1/completions", json=body, timeout=120).json()
     want, n = full["choices"][0]["text"], full["usage"]["completion_tokens"]

@@ -3,8 +3,8 @@
 Every chunk a stream sends costs the service's processes work of their own: the replica's event
 loop wakes, Serve hands the chunk to its proxy as a message of its own (a Ray object), the proxy
 writes it out. Where those processes share the cores that compute the tokens (a CPU target) that
-work is taken from the forward: on the 2-core development VM a stream of one chunk a token ran
-1.04x the time of the same request unstreamed (docs/journal.md, "Streamed chunks paced"). A chunk
+work is taken from the forward: on a 2-core VM a stream of one chunk a token took 1.04-1.09x the
+time of the same request unstreamed (docs/journal.md, "Streamed chunks paced"). A chunk
 every interval_s carries all the text made meanwhile, so the cost falls with the chunks while the
 client still reads the text as it comes.
 
@@ -40,8 +40,8 @@ async def paced(
         async for u in updates:
             held = merged(held, u)
             now = clock()
-            due = sent_at is None if held.text else False
-            if held.finish_reason is not None or due or (sent_at is not None and now - sent_at >= interval_s):
+            first = sent_at is None and bool(held.text)
+            if held.finish_reason is not None or first or (sent_at is not None and now - sent_at >= interval_s):
                 out, held = held, None
                 sent_at = now if out.text else sent_at
                 yield out
