@@ -323,16 +323,41 @@ def by_prompt(records: list[Record], names: list[str]) -> dict:
     }
 
 
-def prompt_table(table_by_prompt: dict, peer: str | None = None) -> str:
-    """One line per (users, prompt, method): tok/s on that prompt, x ar and x the peer on it."""
+def decode_by_prompt(records: list[Record], names: list[str]) -> dict:
+    """{users: {prompt name: {method: ms a token after the first}}}: the median over its requests of
+    (latency - TTFT) / (tokens - 1). The tok/s of by_prompt include each request's prefill, and a
+    prompt's first request of a sweep prefills it cold while the later ones may find it cached (on
+    fly-serve, whichever method met it first): the decoding apart from it compares like with like."""
+    out: dict = {}
+    for r in records:
+        if r.tokens > 1 and r.ttft_s is not None:
+            per = 1000 * (r.latency_s - r.ttft_s) / (r.tokens - 1)
+            out.setdefault(str(r.users), {}).setdefault(names[r.prompt], {}).setdefault(r.method, []).append(per)
+    return {
+        u: {p: {m: round(statistics.median(v), 2) for m, v in ms.items()} for p, ms in ps.items()}
+        for u, ps in out.items()
+    }
+
+
+def prompt_table(table_by_prompt: dict, peer: str | None = None, decode: dict | None = None) -> str:
+    """One line per (users, prompt, method): tok/s on that prompt, x ar and x the peer on it; with
+    decode (decode_by_prompt), its ms a token after the first and x the peer's by that."""
     head = "| users | prompt | method | tok/s | x ar |" + (f" x {peer} |" if peer else "")
+    if decode is not None:
+        head += " ms/token after the first |" + (f" x {peer} (after the first) |" if peer else "")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for users, prompts in table_by_prompt.items():
         for prompt, rates in prompts.items():
+            after = (decode or {}).get(users, {}).get(prompt, {})
             for method, tps in rates.items():
                 cells = [users, prompt, method, f"{tps:.2f}", _over(tps, rates.get("ar"))]
                 if peer:
                     cells.append(_over(tps, rates.get(peer)))
+                if decode is not None:
+                    ms = after.get(method)
+                    cells.append(f"{ms:.1f}" if ms else "-")
+                    if peer:
+                        cells.append(_over(after[peer], ms) if after.get(peer) else "-")  # the peer's time over ours
                 lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines)
 
@@ -502,7 +527,8 @@ def sweep(args, methods: list[Method], out: Path, peers: dict[str, LlamaServer])
     report = table(levels, peer)
     if args.prompts:
         summary["by_prompt"] = by_prompt(every, args.prompts)
-        report += "\n\n" + prompt_table(summary["by_prompt"], peer)
+        summary["decode_by_prompt"] = decode_by_prompt(every, args.prompts)
+        report += "\n\n" + prompt_table(summary["by_prompt"], peer, summary["decode_by_prompt"])
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     (out / "summary.md").write_text(report + "\n")
     print(report)

@@ -166,3 +166,8 @@ def test_load_sweep_peer_on_the_tiny_gguf(binary, tmp_path):
             f"| {users} | {prompt} | llama-server-draft | {rates['llama-server-draft']:.2f} | - | {ratio:.2f} |"
             in table
         )
+        # the decoding apart from the prefill: ms a token after the first, and the peer's over it
+        after = summary["decode_by_prompt"][users][prompt]
+        assert set(after) == set(rates) and min(after.values()) > 0
+        over = after["llama-server"] / after["llama-server-draft"]
+        assert f"{ratio:.2f} | {after['llama-server-draft']:.1f} | {over:.2f} |" in table
