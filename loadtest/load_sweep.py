@@ -47,6 +47,7 @@ import contextlib
 import csv
 import itertools
 import json
+import math
 import statistics
 import sys
 import time
@@ -330,7 +331,7 @@ def decode_by_prompt(records: list[Record], names: list[str]) -> dict:
     fly-serve, whichever method met it first): the decoding apart from it compares like with like."""
     out: dict = {}
     for r in records:
-        if r.tokens > 1 and r.ttft_s is not None:
+        if r.tokens > 1 and math.isfinite(r.ttft_s):  # NaN: no text came back
             per = 1000 * (r.latency_s - r.ttft_s) / (r.tokens - 1)
             out.setdefault(str(r.users), {}).setdefault(names[r.prompt], {}).setdefault(r.method, []).append(per)
     return {
