@@ -1196,3 +1196,95 @@ def test_prompt_lookup_says_whether_its_longest_ngram_matched():
     assert not lookup.strong(RowTokens(row, final=len(row), key="r"))
     row += [9, 7, 2, 3, 4]  # now 7 2 3 4 occurred before
     assert lookup.strong(RowTokens(row, final=len(row), key="r"))
+
+
+# ---- a lookup offer priced by its match (lookup_match.py)
+# The widths of the 2-core CPU's target (the cost profile measured there, seconds by tokens in the
+# forward): a token costs less the wider the forward, 64 tokens ~24x one.
+CPU_WIDTHS = CostProfile([1, 2, 4, 8, 16, 32, 64, 128], [0.033, 0.058, 0.098, 0.197, 0.258, 0.438, 0.779, 1.561])
+
+
+def test_prompt_lookup_finds_its_match_and_measures_how_far_back_it_agrees():
+    from fly_serve.contracts import RowTokens
+    from fly_serve.drafting import prompt_lookup
+    from fly_serve.drafting.drafters import PromptLookup
+
+    copied = list(range(100, 140))
+    seq = [1, 2] + copied + [7, 8] + copied[:20]  # a copy of 20 tokens under way
+    end = prompt_lookup.find(seq, 4, 2)
+    assert seq[end + 1] == copied[20]  # the token after the occurrence is the copy's next
+    assert prompt_lookup.match_length(seq, end, 64) == 20
+    assert prompt_lookup.match_length(seq, end, 8) == 8  # read no further back than the cap
+    lookup = PromptLookup(min_n=2)
+    for tokens in (seq, RowTokens(seq, final=len(seq), key="r")):  # the scan and the row's index
+        assert lookup.offer(tokens, 5, 64) == (copied[20:25], 20)
+        assert lookup.propose(tokens, 5) == copied[20:25]
+    # a 2-token match: an offer, and a match of 2
+    assert lookup.offer([5, 6, 9, 9, 9, 1, 5, 6], 2, 64) == ([9, 9], 2)
+    assert lookup.offer([5, 6, 9], 3, 64) == ([], 0)  # nothing matches
+    assert lookup.offer(seq, 0, 64) == ([], 0)
+
+
+def test_a_match_prices_its_offer_and_only_a_copy_under_way_goes_past_k_max():
+    from fly_serve.k_auto.lookup_match import COPY_K, LONG_MATCH, match_prior, offer_width
+
+    assert match_prior(3) is None and match_prior(15) is None  # the row's own prior
+    assert match_prior(16) < match_prior(LONG_MATCH) < 1
+    assert offer_width(15, 200, LONG_MATCH - 1) == 15
+    assert offer_width(15, 200, LONG_MATCH) == COPY_K
+    assert offer_width(15, 40, LONG_MATCH) == 40  # within the row's room
+    assert offer_width(15, 10, LONG_MATCH) == 15  # never below k (the row's room already cut it)
+
+
+def test_a_copy_under_way_drafts_wide_and_a_row_whose_copies_broke_does_not():
+    """On the CPU's widths a copy after a long match is drafted in one wide forward (its tokens
+    cheapest there), where the same offer without its match's length is left to plain decoding;
+    a row whose lookups were rejected again and again prices its next copy by that record."""
+    policy = SpeculationPolicy()
+    policy.set_profile(CPU_WIDTHS, measured_here=True)
+    copy = RowInfo("r", 15, MODEL, free_k=63, free_match=40)
+    ks = policy.choose([copy])
+    assert policy.free == [True] and ks[0] > 15  # past k_max: the plan's own choice of width
+    assert policy.choose([RowInfo("r", 15, MODEL, free_k=63, free_match=0)]) == [0]  # the prior 0.7 alone
+    assert policy.choose([RowInfo("r", 15, MODEL, free_k=63, free_match=20)])[0] > 0  # 16-31: priced 0.98
+    for _ in range(6):  # copies that broke at their first draft
+        policy.tracker.observe(free_key("r"), drafted=30, kept=0)
+    assert policy._as_free(copy).acceptance < 0.5
+    assert policy.choose([copy]) == [0]
+
+
+def test_a_copy_in_a_batch_pays_for_the_rows_it_widens():
+    """In a batch the target verifies every row padded to the widest: a copy's width is priced on
+    all of them, so beside rows that draft nothing it goes less wide than alone."""
+    table = BatchVerify(
+        [1, 2, 4, 8],
+        [1, 2, 4, 8, 16, 32, 64],
+        [[s * b**0.9 for s in (0.033, 0.058, 0.098, 0.197, 0.258, 0.438, 0.779)] for b in (1, 2, 4, 8)],
+    )
+    profile = replace(CPU_WIDTHS, verify_batch=table)
+    alone, batch = SpeculationPolicy(), SpeculationPolicy()
+    for p in (alone, batch):
+        p.set_profile(profile, measured_here=True)
+    copy = RowInfo("c", 15, MODEL, free_k=63, free_match=40)
+    k_alone = alone.choose([copy])[0]
+    k_batch = batch.choose([copy] + [RowInfo(f"p{i}", 15, MODEL) for i in range(7)])
+    assert k_alone > 15 and k_batch[0] < k_alone and k_batch[1:] == [0] * 7
+
+
+def test_the_engine_drafts_a_copy_under_way_past_k_max_and_keeps_the_targets_text(tiny_pair):
+    """A text that copies itself (the tiny model's greedy text falls into a loop, a long match):
+    on the CPU's widths the engine offers the copy past k_max, the plan drafts it in wide rounds,
+    and strict FLy's text is still the target's own greedy text."""
+    profile = replace(CPU_WIDTHS, draft_per_forward=0.025)  # a drafter forward ~0.75 of a step: not worth it
+    engine = tiny_auto_engine(tiny_pair, profile)
+    prompt = "abc def ghi abc def ghi abc def ghi abc def ghi abc def"
+    params = dict(mode="fly", theta=1.0, k="auto", k_max=4, max_tokens=160, temperature=0.0)
+    req = engine.add(prompt, params)
+    widest = 0
+    while not req.finished:
+        before = req.stats.drafted
+        engine.step()
+        widest = max(widest, req.stats.drafted - before)
+    ar = engine.generate([prompt], dict(params, mode="ar"))[0]
+    assert req.generated == ar.generated
+    assert widest > 4  # a copy drafted past k_max

@@ -105,10 +105,24 @@ class PromptLookup:
             return prompt_lookup.propose(tokens, k, self.max_n, min_n)
         return self.indexes.of(key, tokens, tokens.final).propose(tokens, k, self.max_n, min_n)
 
+    def offer(self, tokens: list[int], k: int, cap: int) -> tuple[list[int], int]:
+        """propose(tokens, k) and how far its match reaches back (prompt_lookup.match_length, at
+        most cap tokens; 0: no proposal)."""
+        key = getattr(tokens, "key", None)
+        if k <= 0:
+            return [], 0
+        if key is None:
+            end = prompt_lookup.find(tokens, self.max_n, self.min_n)
+        else:
+            end = self.indexes.of(key, tokens, tokens.final).find(tokens, self.max_n, self.min_n)
+        if end is None:
+            return [], 0
+        return list(tokens[end + 1 : end + 1 + k]), prompt_lookup.match_length(tokens, end, cap)
+
     def strong(self, tokens: list[int]) -> bool:
         """Whether the last max_n tokens occurred before: the match whose drafts are kept far more
         often than a shorter one's (docs/journal.md, "Probes on a strong match")."""
-        return bool(self.propose(tokens, 1, min_n=self.max_n))
+        return self.offer(tokens, 1, self.max_n)[1] >= self.max_n
 
     def release(self, keys: list[str]) -> None:
         self.indexes.release(keys)

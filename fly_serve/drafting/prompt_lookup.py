@@ -1,6 +1,9 @@
 """Prompt lookup: propose the tokens that followed the latest earlier occurrence of the
 sequence's last n tokens (n from max_n down to min_n). No model, a few microseconds.
 
+`match_length` says how far that occurrence agrees with the sequence's end (its n tokens and the
+ones before them): how long a proposal holds follows it (k_auto/lookup_match.py).
+
 `propose` scans the whole sequence (numpy), O(context) a call. A row that comes as a
 contracts.RowTokens with a key is answered by that key's `LookupIndex` instead: the latest end of
 every n-gram of its committed tokens, grown as they grow, and a scan of the tokens after them
@@ -14,17 +17,35 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 def propose(tokens, k: int, max_n: int = 4, min_n: int = 1) -> list[int]:
     """Up to k tokens; fewer when the match lies near the end, none when nothing matches."""
-    if k <= 0 or len(tokens) < 2:
+    end = find(tokens, max_n, min_n) if k > 0 else None
+    if end is None:
         return []
+    out = tokens[end + 1 : end + 1 + k]
+    return out.tolist() if hasattr(out, "tolist") else list(out)
+
+
+def find(tokens, max_n: int = 4, min_n: int = 1) -> int | None:
+    """The end of the latest earlier occurrence of the longest suffix of n tokens (max_n >= n >=
+    min_n) that occurred before; None when none did."""
+    if len(tokens) < 2:
+        return None
     seq = np.asarray(tokens)
     for n in range(min(max_n, len(seq) - 1), min_n - 1, -1):
         # Windows over seq[:-1] start at 0 .. len-1-n: the suffix cannot match itself.
         windows = sliding_window_view(seq[:-1], n)
         hits = np.flatnonzero((windows == seq[-n:]).all(axis=1))
         if hits.size:
-            start = int(hits[-1]) + n  # the latest occurrence: recent text repeats most
-            return seq[start : start + k].tolist()
-    return []
+            return int(hits[-1]) + n - 1  # the latest occurrence: recent text repeats most
+    return None
+
+
+def match_length(tokens, end: int, cap: int) -> int:
+    """How many tokens, at most cap, the sequence's end and the occurrence ending at `end` share,
+    read backwards."""
+    n, length = len(tokens), 0
+    while length < cap and end - length >= 0 and tokens[end - length] == tokens[n - 1 - length]:
+        length += 1
+    return length
 
 
 def _packed(ngram) -> int:
@@ -60,9 +81,14 @@ class LookupIndex:
 
     def propose(self, tokens, k: int, max_n: int, min_n: int) -> list[int]:
         """prompt_lookup.propose(tokens, k, max_n, min_n), with tokens[:covered] indexed."""
+        end = self.find(tokens, max_n, min_n) if k > 0 else None
+        return [] if end is None else tokens[end + 1 : end + 1 + k]
+
+    def find(self, tokens, max_n: int, min_n: int) -> int | None:
+        """prompt_lookup.find(tokens, max_n, min_n), with tokens[:covered] indexed."""
         L = len(tokens)
-        if k <= 0 or L < 2:
-            return []
+        if L < 2:
+            return None
         tail = tokens[max(self.covered - 1 - self.max_n, 0) :]  # what the scan reads (its drafts)
         off = L - len(tail)
         for n in range(min(max_n, self.max_n, L - 1), min_n - 1, -1):
@@ -75,8 +101,8 @@ class LookupIndex:
             if end is None:
                 end = self.last[n].get(_packed(suffix))
             if end is not None:
-                return tokens[end + 1 : end + 1 + k]
-        return []
+                return end
+        return None
 
 
 class LookupIndexes:

@@ -44,6 +44,7 @@ from fly_serve.drafting.prompt_lookup import LookupIndexes
 from fly_serve.drafting.suffix_index import SuffixIndex
 from fly_serve.drafting.token_recycling import TokenRecycling
 from fly_serve.k_auto.allocator import RowInfo
+from fly_serve.k_auto.lookup_match import COPY_K, MATCH_CAP, offer_width
 from fly_serve.k_auto.round_cost import NONE, PLD, CostProfile
 from fly_serve.k_auto.speculation_policy import RoundTrace, SpeculationPolicy, free_key
 
@@ -527,7 +528,7 @@ class Engine:
             return {}
         fixed = [not req.params.auto_k or h is not None for req, h in zip(batch, held)]
         offers = {
-            b: self._free_offer(row)
+            b: self._free_offer(row, self._room(req))
             for b, (req, row, f) in enumerate(zip(batch, rows, fixed))
             if not f and req.params.mode_spec.source == "model" and row.mla and row.k > 0
         }
@@ -539,7 +540,9 @@ class Engine:
                 req.params.mode_spec.source or NONE,
                 fixed=f,
                 free_k=len(offers.get(b, (None, []))[1]),
-                free_strong=b in offers and (offers[b][0] != "pld" or self.free_lookup.strong(RowTokens.of(row))),
+                # strong: the offer follows a match of lookup's longest n-gram (its match as long)
+                free_strong=b in offers and (offers[b][0] != "pld" or offers[b][2] >= self.free_lookup.max_n),
+                free_match=offers[b][2] if b in offers else 0,
                 drafter_lag=self._lag(req, req.drafter or self.default_drafter),
                 drafter=req.drafter,
                 drafters=choices[b],
@@ -580,16 +583,22 @@ class Engine:
         it last drafted it (all of them if it never did)."""
         return len(req.tokens) - req.drafter_seen.get(name, 0)
 
-    def _free_offer(self, row: Row) -> tuple[str | None, list[int]]:
+    def _free_offer(self, row: Row, room: int) -> tuple[str | None, list[int], int]:
         """Up to row.k drafts from the row's first MLA source that proposes any (drafters.py),
-        with the source's name."""
-        sources = {"pld": self.free_lookup, "suffix": self.suffix_index, "recycle": self.recycler}
+        with the source's name and, for prompt lookup, its match's length: a copy under way may
+        offer up to lookup_match.COPY_K drafts, within the row's room."""
+        sources = {"suffix": self.suffix_index, "recycle": self.recycler}
         tokens = RowTokens.of(row)
         for name in row.mla_sources:
+            if name == "pld":
+                got, match = self.free_lookup.offer(tokens, max(row.k, min(COPY_K, room)), MATCH_CAP)
+                if got:
+                    return name, got[: offer_width(row.k, room, match)], match
+                continue
             got = sources[name].propose(tokens, row.k)
             if got:
-                return name, got
-        return None, []
+                return name, got, 0
+        return None, [], 0
 
     def _row(self, req: Request) -> Row:
         p = req.params

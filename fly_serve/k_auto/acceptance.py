@@ -76,12 +76,14 @@ class AcceptanceTracker:
         ev.kept += hit
         ev.rejected += not hit
 
-    def estimate(self, key: str) -> float:
-        """Per-token acceptance in [0, 1); a row never seen gets the prior."""
+    def estimate(self, key: str, prior: float | None = None) -> float:
+        """Per-token acceptance in [0, 1); a row never seen gets the prior (the tracker's, or this
+        call's: what the row's offer is known by, lookup_match.py)."""
+        prior = self.prior if prior is None else prior
         ev = self.rows.get(key)
         if ev is None:
-            return self.prior
-        return (ev.kept + self.prior * self.prior_weight) / (ev.kept + ev.rejected + self.prior_weight)
+            return prior
+        return (ev.kept + prior * self.prior_weight) / (ev.kept + ev.rejected + self.prior_weight)
 
     def tokens_per_forward(self, key: str) -> float:
         """Drafts per drafter forward for the row (1 without MLA), with one forward of prior."""

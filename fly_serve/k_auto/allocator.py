@@ -32,6 +32,9 @@ class RowInfo:
     # Whether those drafts follow a match of prompt lookup's longest n-gram (or come from another
     # source): only such an offer is probed (speculation_policy._free_probes)
     free_strong: bool = True
+    # How far back the lookup's match agrees with the row's text (prompt_lookup.match_length; 0:
+    # not a lookup, or not measured): the prior its drafts are priced from (lookup_match.py)
+    free_match: int = 0
     # Tokens the model drafter must prefill before it can draft this row (it has not drafted
     # since these were committed): what a probe of a row left at k = 0 pays first
     drafter_lag: int = 0

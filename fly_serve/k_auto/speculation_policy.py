@@ -66,6 +66,7 @@ from dataclasses import dataclass, replace
 
 from .acceptance import AcceptanceTracker
 from .allocator import Plan, RowInfo, min_confidence_for, plan
+from .lookup_match import match_prior
 from .measured_cost import CostCheck, UnderLoad, point_of
 from .round_cost import MODEL, NONE, PLD, CostProfile, RoundCostModel
 
@@ -337,8 +338,10 @@ class SpeculationPolicy:
         return got
 
     def _as_free(self, r: RowInfo) -> RowInfo:
+        """The row drafting its free offer: priced by its own lookups' record, from the prior of
+        the offer's match length (lookup_match.py) where it is known."""
         key = free_key(r.key)
-        acceptance = self.tracker.estimate(key)
+        acceptance = self.tracker.estimate(key, match_prior(r.free_match))
         if not r.free_strong:
             acceptance = min(acceptance, SHORT_MATCH_ACCEPTANCE)
         return RowInfo(key, r.free_k, PLD, round(acceptance, ESTIMATE_DIGITS), 1.0, fixed=False, drafter=r.drafter)
