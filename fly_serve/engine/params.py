@@ -98,7 +98,7 @@ class Params:
         'drafts per round (a cap), or "auto": each round the engine picks every row\'s k '
         "in 0..k_max for the most tokens per second (speculation_policy.py)",
     )
-    k_max: int = knob(15, 'the cap of k when k is "auto"')
+    k_max: int = knob(15, 'the cap of k when k is "auto" (a prompt-lookup copy under way may pass it: lookup_match.py)')
     theta: float = knob(0.3, "entropy gate: defer a mismatch only where the target's entropy >= theta; >= 1 is SPD")
     window: int | None = knob(
         None, "W: a deferred mismatch is kept if the next W positions match (default min(6, k - 1))"
