@@ -44,7 +44,7 @@ from fly_serve.drafting.prompt_lookup import LookupIndexes
 from fly_serve.drafting.suffix_index import SuffixIndex
 from fly_serve.drafting.token_recycling import TokenRecycling
 from fly_serve.k_auto.allocator import RowInfo
-from fly_serve.k_auto.lookup_match import COPY_K, MATCH_CAP, offer_width
+from fly_serve.k_auto.lookup_match import MATCH_CAP, offer_width
 from fly_serve.k_auto.round_cost import NONE, PLD, CostProfile
 from fly_serve.k_auto.speculation_policy import RoundTrace, SpeculationPolicy, free_key
 
@@ -590,8 +590,8 @@ class Engine:
         sources = {"suffix": self.suffix_index, "recycle": self.recycler}
         tokens = RowTokens.of(row)
         for name in row.mla_sources:
-            if name == "pld":
-                got, match = self.free_lookup.offer(tokens, max(row.k, min(COPY_K, room)), MATCH_CAP)
+            if name == "pld":  # the most a copy could carry, cut to what its match allows
+                got, match = self.free_lookup.offer(tokens, offer_width(row.k, room, MATCH_CAP), MATCH_CAP)
                 if got:
                     return name, got[: offer_width(row.k, room, match)], match
                 continue
