@@ -152,6 +152,7 @@ class SpeculationPolicy:
         probe_every: int = 6,
         max_probe_every: int = 96,
         probe_budget: float = 0.05,
+        free_probe_budget: float = 0.02,
         probe_k: int = 4,
         max_probes: int = 1,
         width_every: int = 6,
@@ -170,6 +171,10 @@ class SpeculationPolicy:
         # several plain rounds), up to max_probe_every; back to probe_every once the plan drafts it.
         self.max_probe_every = max(max_probe_every, probe_every)
         self.probe_budget = probe_budget
+        # A row's free probes (_free_probes) spend less: a copy under way is priced from its
+        # match's length without one (lookup_match.py), so they look only for what that misses
+        # (a copy whose match is short yet); at 5% they cost 1-4% on prompts that copy nothing.
+        self.free_probe_budget = free_probe_budget
         self._gap: dict[str, int] = {}
         self._priced: dict[str, int] = {}  # the budget's gap as last priced, per idle row (_due)
         self._plans: OrderedDict = OrderedDict()  # recent plans by their inputs (_plan)
@@ -422,7 +427,7 @@ class SpeculationPolicy:
         would stay at the prior, which on a machine where a wider verification costs much (a
         2-core CPU) prices them out for good, however often the text repeats itself. Such a probe
         costs only the verification's width: no drafter forward, nothing to catch up; with a profile
-        measured here its gap doubles after each and keeps them at probe_budget of the time
+        measured here its gap doubles after each and keeps them at free_probe_budget of the time
         (_budget_gap; otherwise probe_every, as a model probe's, for the cost check). A row alone
         only: in a batch the probe widens every row's forward, and served at 8 users that cost more
         than it found; probe_k drafts, since one kept draft lifts the estimate too little to ramp
@@ -443,7 +448,7 @@ class SpeculationPolicy:
             if idle <= self._gap.get(key, self.probe_every):  # the stored gap first: priced only past it
                 continue
             k = min(self.probe_k, r.free_k, r.limit)
-            budget = self._budget_gap(self._as_free(r), k) if self.frozen else 0
+            budget = self._budget_gap(self._as_free(r), k, self.free_probe_budget) if self.frozen else 0
             if idle > budget:
                 due.append((b, k, budget))
         due.sort(key=lambda d: -self._idle[free_key(rows[d[0]].key)])  # stable: batch order among equals
@@ -471,9 +476,9 @@ class SpeculationPolicy:
         gap = self._gap.get(row.key, self.probe_every)
         return max(gap, self._budget_gap(row, min(self.probe_k, row.limit))) if self.frozen else gap
 
-    def _budget_gap(self, row: RowInfo, k: int) -> int:
+    def _budget_gap(self, row: RowInfo, k: int, budget: float | None = None) -> int:
         """Rounds between probes that keep a k-draft probe's extra seconds (over a plain round,
-        with the drafter's catch-up of the tokens it missed) at probe_budget of the plain
+        with the drafter's catch-up of the tokens it missed) at `budget` (probe_budget) of the plain
         rounds' time, as the frozen profile prices them. A catch-up that costs more per token
         than the budget gives a plain round (a drafter forward near a target step) puts the
         next probe out of reach: the row decodes plainly, with its free drafts."""
@@ -481,7 +486,8 @@ class SpeculationPolicy:
         plain = cost.round_s([0], [row])
         lag = row.drafter_lag if row.source == MODEL else 0  # model-free sources have nothing to catch up
         extra = cost.round_s([k], [row]) - plain + cost.catch_up_s(lag)
-        return math.ceil(extra / (self.probe_budget * plain)) if plain > 0 and self.probe_budget > 0 else 0
+        budget = self.probe_budget if budget is None else budget
+        return math.ceil(extra / (budget * plain)) if plain > 0 and budget > 0 else 0
 
     def min_confidence(self, key: str | None = None) -> float:
         """The drafter's stop threshold for the round last chosen (min_confidence_for); 0 for a
