@@ -4,7 +4,8 @@
   AcceptanceTracker  per row, the chance a draft is kept (FLy's loose acceptances count as kept)
                      and the drafts per drafter forward (MLA)
 
-A row's estimate reads only that row's own rounds and a constant prior, never other requests'
+A row's estimate reads only that row's own rounds and a prior (the tracker's constant, or one
+read off the row's own text: a lookup's match length, lookup_match.py), never other requests'
 rounds: a greedy request sent alone twice sees the same estimates round by round, so k "auto"
 plans it the same way (docs/tuning.md, "How k auto plans").
 """
