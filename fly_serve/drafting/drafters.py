@@ -108,9 +108,9 @@ class PromptLookup:
     def offer(self, tokens: list[int], k: int, cap: int) -> tuple[list[int], int]:
         """propose(tokens, k) and how far its match reaches back (prompt_lookup.match_length, at
         most cap tokens; 0: no proposal)."""
-        key = getattr(tokens, "key", None)
         if k <= 0:
             return [], 0
+        key = getattr(tokens, "key", None)
         if key is None:
             end = prompt_lookup.find(tokens, self.max_n, self.min_n)
         else:
@@ -122,7 +122,11 @@ class PromptLookup:
     def strong(self, tokens: list[int]) -> bool:
         """Whether the last max_n tokens occurred before: the match whose drafts are kept far more
         often than a shorter one's (docs/journal.md, "Probes on a strong match")."""
-        return self.offer(tokens, 1, self.max_n)[1] >= self.max_n
+        return self.strong_match(self.offer(tokens, 1, self.max_n)[1])
+
+    def strong_match(self, match: int) -> bool:
+        """Whether an offer whose match reaches `match` tokens back (offer) is a strong one."""
+        return match >= self.max_n
 
     def release(self, keys: list[str]) -> None:
         self.indexes.release(keys)

@@ -540,8 +540,7 @@ class Engine:
                 req.params.mode_spec.source or NONE,
                 fixed=f,
                 free_k=len(offers.get(b, (None, []))[1]),
-                # strong: the offer follows a match of lookup's longest n-gram (its match as long)
-                free_strong=b in offers and (offers[b][0] != "pld" or offers[b][2] >= self.free_lookup.max_n),
+                free_strong=b in offers and (offers[b][0] != "pld" or self.free_lookup.strong_match(offers[b][2])),
                 free_match=offers[b][2] if b in offers else 0,
                 drafter_lag=self._lag(req, req.drafter or self.default_drafter),
                 drafter=req.drafter,
