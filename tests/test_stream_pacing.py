@@ -1,36 +1,23 @@
-"""A stream's updates paced (deployments/ingress/stream_pacing.py): the first text and the end at
-once, the text between merged into a chunk at most every interval, nothing lost or reordered, a
-failure after the text held before it. The clock is the test's: each update carries its time."""
-
-import asyncio
+"""A generation's updates paced on the engine thread (deployments/ingress/stream_pacing.py): a
+stream's first text and its end at once, the text between merged into a delivery at most every
+interval, nothing lost or reordered, a failure after the text held before it; an answer sent
+whole delivered once, at its end. The clock is the test's: each update carries its time."""
 
 import pytest
 
 from deployments.ingress.engine_loop import Update
-from deployments.ingress.stream_pacing import paced
+from deployments.ingress.stream_pacing import WHOLE, Pacer
 
 
-def run(timed: list[tuple[float, Update]], interval_s: float, fail: Exception | None = None) -> list:
-    """paced over updates that arrive at the given times; what it yields, then the error if any."""
+def run(timed: list[tuple[float, Update]], interval_s: float) -> list[tuple[float, Update]]:
+    """A Pacer fed the updates at the given times; what it delivered, and when."""
     now = [0.0]
-
-    async def updates():
-        for t, u in timed:
-            now[0] = t
-            yield u
-        if fail is not None:
-            raise fail
-
-    async def collect():
-        out = []
-        try:
-            async for u in paced(updates(), interval_s, clock=lambda: now[0]):
-                out.append((now[0], u))
-        except Exception as e:
-            out.append(e)
-        return out
-
-    return asyncio.run(collect())
+    out: list[tuple[float, Update]] = []
+    pacer = Pacer(lambda u: out.append((now[0], u)), interval_s, clock=lambda: now[0])
+    for t, u in timed:
+        now[0] = t
+        pacer(u)
+    return out
 
 
 def tokens(n: int, every_s: float) -> list[tuple[float, Update]]:
@@ -47,7 +34,7 @@ def text_of(chunks) -> str:
 
 def test_no_interval_passes_every_update_through():
     timed = tokens(10, 0.01)
-    assert [u for _, u in run(timed, 0.0)] == [u for _, u in timed]
+    assert run(timed, 0.0) == timed
 
 
 def test_text_goes_out_at_most_once_an_interval_and_arrives_whole():
@@ -75,14 +62,19 @@ def test_updates_without_text_wait_for_the_first_text():
     assert [(t, u.text, u.finish_reason) for t, u in chunks] == [(0.02, "a", None), (0.03, "b", "stop")]
 
 
-def test_a_failure_comes_after_the_text_held_before_it():
-    timed = [(0.0, Update("a")), (0.01, Update("b")), (0.02, Update("c"))]
-    err = RuntimeError("the replica died")
-    chunks = run(timed, 1.0, fail=err)
-    assert [u.text for _, u in chunks[:-1]] == ["a", "bc"] and chunks[-1] is err
+@pytest.mark.parametrize("interval_s", [0.0, 1.0, WHOLE])
+def test_a_failure_comes_after_the_text_held_before_it(interval_s):
+    failed = Update("d", finish_reason="error", error="the replica died")
+    timed = [(0.0, Update("a")), (0.01, Update("b")), (0.02, Update("c")), (0.03, failed)]
+    chunks = run(timed, interval_s)
+    assert text_of(chunks) == "abcd"
+    assert chunks[-1][1] is failed and all(u.error is None for _, u in chunks[:-1])
 
 
-@pytest.mark.parametrize("interval_s", [0.0, 0.2])
-def test_a_stream_that_ends_without_finishing_loses_nothing(interval_s):
-    timed = [(0.0, Update("a")), (0.01, Update("b"))]
-    assert text_of(run(timed, interval_s)) == "ab"
+def test_an_answer_sent_whole_is_delivered_once_at_its_end():
+    timed = tokens(30, 0.04)
+    chunks = run(timed, WHOLE)
+    assert len(chunks) == 1
+    t, u = chunks[0]
+    assert t == timed[-1][0] and u.text == text_of(timed) and u.finish_reason == "length"
+    assert (u.prompt_tokens, u.completion_tokens) == (3, 30)

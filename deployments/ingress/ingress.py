@@ -62,7 +62,7 @@ from .engine_loop import EngineLoop, Update
 from .health import Part, Prober
 from .metrics import ServingMetrics
 from .sse import events
-from .stream_pacing import paced
+from .stream_pacing import WHOLE, Pacer
 from .tokenization import PromptEncoder
 
 api = FastAPI(title="fly-serve")
@@ -396,8 +396,10 @@ class Ingress:
         updates: asyncio.Queue = asyncio.Queue()
         aloop = asyncio.get_running_loop()
 
-        def sink(update: Update) -> None:  # called on the engine thread
+        def deliver(update: Update) -> None:  # called on the engine thread
             aloop.call_soon_threadsafe(updates.put_nowait, update)
+
+        sink = Pacer(deliver, self.stream_interval_s if body.stream else WHOLE)
 
         messages = [m.for_template() for m in body.messages] if isinstance(body, ChatRequest) else None
         admitted = asyncio.wrap_future(self.loop.submit(prompt, params, ids.engine, sink, arrival, messages, matcher))
@@ -460,7 +462,7 @@ class Ingress:
             return self.errors.answer(e, ids).body(ids.client_id)
 
         try:
-            updates = paced(self._updates(ids, queue, client_field), self.stream_interval_s)
+            updates = self._updates(ids, queue, client_field)
             async for event in events(updates, bodies, include_usage, error_event):
                 done = done or event == "data: [DONE]\n\n"
                 yield event

@@ -1,24 +1,29 @@
-"""A streamed generation's updates merged into fewer chunks: at most one every `interval_s`.
+"""A generation's updates merged into fewer deliveries, on the engine thread: a stream's text at
+most once every `interval_s`, an answer sent whole only when it is done.
 
-Every chunk a stream sends costs the service's processes work of their own: the replica's event
-loop wakes, Serve hands the chunk to its proxy as a message of its own (a Ray object), the proxy
-writes it out. Where those processes share the cores that compute the tokens (a CPU target) that
-work is taken from the forward: on a 2-core VM a stream of one chunk a token took 1.04-1.09x the
-time of the same request unstreamed (docs/journal.md, "Streamed chunks paced"). A chunk
-every interval_s carries all the text made meanwhile, so the cost falls with the chunks while the
-client still reads the text as it comes.
+Every delivery wakes the replica's event loop (`call_soon_threadsafe`), which then takes the GIL
+from the engine thread, and every chunk a stream sends costs Serve and its proxy work of their
+own (a Ray object a chunk). Where those processes share the cores that compute the tokens (a CPU
+target) that work is taken from the forward: on a 2-core VM a stream of one chunk a token took
+1.04-1.09x the time of the same request unstreamed (docs/journal.md, "Streamed chunks paced"),
+and the engine thread waited on the GIL ~1.6 times a token while the loop woke every round
+("The event loop woken only for a chunk"). So the engine thread holds the text itself and wakes
+the loop only for what goes out.
 
 The first text goes out at once (the time to first token is not paced), and so does the last
-update (finish reason, usage). In between, text is held until an update arrives interval_s or more
-after the last chunk: held text waits at most interval_s plus one round. A failure raised by the
-updates (the request's error answer) comes after the text held before it, as it would unpaced.
+update (finish reason, usage, or the request's failure). In between, text is held until a round
+ends interval_s or more after the last delivery: held text waits at most interval_s plus one round.
+A failure is delivered after the text held before it, as it would be unpaced.
 """
 
 import dataclasses
+import math
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 
 from .engine_loop import Update
+
+WHOLE = math.inf  # the interval of an answer sent whole: only its last update is delivered
 
 
 def merged(held: Update | None, new: Update) -> Update:
@@ -26,28 +31,35 @@ def merged(held: Update | None, new: Update) -> Update:
     return new if held is None else dataclasses.replace(new, text=held.text + new.text)
 
 
-async def paced(
-    updates: AsyncIterator[Update], interval_s: float, clock: Callable[[], float] = time.monotonic
-) -> AsyncIterator[Update]:
-    """updates, merged so that text goes out at most once every interval_s (0: every update)."""
-    if interval_s <= 0:
-        async for u in updates:
-            yield u
-        return
-    held: Update | None = None
-    sent_at: float | None = None  # when text last went out; None: no text yet
-    try:
-        async for u in updates:
-            held = merged(held, u)
-            now = clock()
-            first = sent_at is None and bool(held.text)
-            if held.finish_reason is not None or first or (sent_at is not None and now - sent_at >= interval_s):
-                out, held = held, None
-                sent_at = now if out.text else sent_at
-                yield out
-    except Exception:
-        if held is not None and held.text:  # what the client would have had before the error
-            yield held
-        raise
-    if held is not None:  # updates that ended without a finishing update (not the engine's way)
-        yield held
+class Pacer:
+    """One request's sink (engine_loop.EngineLoop.submit's): called on the engine thread with each
+    round's update, passes them to `deliver` merged, at most one every interval_s (0: each one;
+    WHOLE: the last only)."""
+
+    def __init__(
+        self, deliver: Callable[[Update], None], interval_s: float, clock: Callable[[], float] = time.monotonic
+    ):
+        self.deliver, self.interval_s, self.clock = deliver, interval_s, clock
+        self.held: Update | None = None
+        self.sent_at: float | None = None  # when text last went out; None: no text yet
+
+    def __call__(self, update: Update) -> None:
+        if update.finish_reason is not None and update.error and self.held is not None and self.held.text:
+            self._send(self.held)  # the text made before the failure first, as unpaced
+            self.held = None
+        held = self.held = merged(self.held, update)
+        if held.finish_reason is not None or self._due(held):
+            self.held = None
+            self._send(held)
+
+    def _due(self, held: Update) -> bool:
+        if not held.text or self.interval_s == WHOLE:
+            return False
+        if self.sent_at is None:
+            return True  # the first text
+        return self.clock() - self.sent_at >= self.interval_s
+
+    def _send(self, update: Update) -> None:
+        if update.text:
+            self.sent_at = self.clock()
+        self.deliver(update)
