@@ -650,3 +650,38 @@ def test_loose_decisions_at_a_temperature_keep_mismatches_with_the_keyed_draw():
     again = varied_engine().generate(PROMPTS, params)
     assert [r.generated for r in first] == [r.generated for r in again]
     assert sum(r.stats.loosely_accepted for r in first) > 0
+
+
+def test_a_plain_rounds_verdict_is_the_general_paths():
+    """ModelScorer's own path for a round of plain greedy rows (no drafts, no grammar, no draw)
+    gives the verdict the general path computes for it: rows of three lengths, then one more step."""
+    from fly_serve.contracts import Drafts
+    from fly_serve.runtime.model_scorer import ModelScorer
+
+    own, general = (ModelScorer(Runner(TARGET, n_slots=3)) for _ in range(2))
+    general.plain = lambda rows, drafts: False
+    for step in range(2):
+        rows = [Row(key=f"r{b}", tokens=p + [7] * step, k=0) for b, p in enumerate(PROMPTS[:3])]
+        drafts = Drafts([[], [], []], [None] * 3)
+        assert own.plain(rows, drafts) and not general.plain(rows, drafts)
+        a, b = own.verify(rows, drafts), general.verify(rows, drafts)
+        for field in ("ok", "y", "support", "topk"):
+            x, y = getattr(a, field), getattr(b, field)
+            assert x.shape == y.shape and x.dtype == y.dtype and torch.equal(x, y), field
+        assert a.y.shape == (3, 1) and a.h is None and b.h is None and a.plausibility is None
+        assert a.prefix_hit_tokens == b.prefix_hit_tokens
+    sampled = [Row(key="r0", tokens=PROMPTS[0], k=0, temperature=1.0, seed=1)]
+    assert not own.plain(sampled, Drafts([[]], [None])) and not own.plain(rows[:1], Drafts([[5]], [None]))
+
+
+def test_a_batch_of_plain_rows_asks_k_auto_nothing():
+    """mode ar with k "auto" in its defaults: nothing to choose, so the policy is not asked (its
+    choice cost a plain step ~0.1 ms of host work); a k auto row beside them is."""
+    eng = engine()
+    asked = []
+    choose = eng.policy.choose
+    eng.policy.choose = lambda infos: asked.append(len(infos)) or choose(infos)
+    out = [r.generated for r in eng.generate(PROMPTS[:2], dict(mode="ar", k="auto", max_tokens=8))]
+    assert out == [g[:8] for g in AR[:2]] and asked == []
+    eng.generate(PROMPTS[:1], dict(mode="fly", k="auto", max_tokens=4))
+    assert asked and set(asked) == {1}

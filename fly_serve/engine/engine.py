@@ -524,8 +524,8 @@ class Engine:
         model-free sources propose (no drafter forward) where the policy predicts that faster:
         returns those rows' (source, drafts), by row index. A row that may use several model
         drafters gets the one the policy chose (Request.drafter)."""
-        if not any(r.params.auto_k for r in batch):
-            return {}
+        if not any(r.params.auto_k and r.params.mode_spec.source for r in batch):
+            return {}  # no row chooses: fixed k, or plain decoding (mode ar) whatever its k says
         fixed = [not req.params.auto_k or h is not None for req, h in zip(batch, held)]
         offers = {
             b: self._free_offer(row, self._room(req))

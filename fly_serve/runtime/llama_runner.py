@@ -67,6 +67,7 @@ class LlamaCppMissing(RuntimeError):
 
 
 _LIB = None
+MAX_VIEWS = 64  # logits views kept (LlamaRunner._logits_view)
 
 
 def lib():
@@ -431,6 +432,7 @@ class LlamaRunner:
         self.probe_seq = params.n_seq_max - 1  # the health probe's own id (probe), never a row's
         self.cache = SeqTable(self.ctx, self.probe_seq, capacity, prefix_cache, max_donors=n_slots, swa=model.swa)
         self._probe_batch: _Batch | None = None
+        self._views: dict[tuple[int, int], torch.Tensor] = {}  # _logits_view's, by (buffer address, rows)
 
     def set_threads(self, n: int) -> None:
         self.threads = n
@@ -526,9 +528,17 @@ class LlamaRunner:
         return list(zip(bounds[:-1], bounds[1:]))
 
     def _logits_view(self, n: int) -> torch.Tensor:
-        """The last call's n output rows of logits [n, V], read in place (llama.cpp's buffer)."""
+        """The last call's n output rows of logits [n, V], read in place (llama.cpp's buffer).
+        Views are kept by the buffer's address: making one (numpy builds a ctypes array type
+        for it) cost ~0.1 ms, a plain step's largest host cost after the forward."""
         ptr = lib().llama_get_logits(self.ctx)
-        return torch.from_numpy(np.ctypeslib.as_array(ptr, shape=(n, self.vocab_size)))
+        key = (ctypes.cast(ptr, ctypes.c_void_p).value, n)
+        view = self._views.get(key)
+        if view is None:
+            if len(self._views) >= MAX_VIEWS:  # llama.cpp moved its buffer, or many widths came
+                self._views.clear()
+            view = self._views[key] = torch.from_numpy(np.ctypeslib.as_array(ptr, shape=(n, self.vocab_size)))
+        return view
 
     def _decode_chunk(self, ids, pos, seqs, wanted, busy: set) -> None:
         """One llama_decode of these tokens (at most batch_tokens), logits where `wanted`."""

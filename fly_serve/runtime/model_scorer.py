@@ -41,6 +41,8 @@ class ModelScorer:
         seqs = [RowTokens.of(r, d) for r, d in zip(rows, drafts.tokens)]
         logits, _ = self.runner.feed(keys, seqs, tail=[1 + len(d) for d in drafts.tokens])
         logits = logits[..., : self.vocab_size]  # [B, K+1, V]
+        if self.plain(rows, drafts):
+            return self._plain_verdict(keys, logits)
         dev = logits.device
         # Token Recycling learns what the target predicts after a token in general: its top-k is
         # taken before the grammar's mask (under it, the -inf ids past the allowed few would be junk)
@@ -77,6 +79,26 @@ class ModelScorer:
                 self._speculative_row(r, b, logits, drafted, int(n[b]), drafts.q[b], ok, y, support, ratio, h)
         hits = self.runner.cache.take_hits(keys)  # prefill the prefix cache saved, per row
         return Verdict(ok, y, h, support, top, plausibility=ratio, prefix_hit_tokens=hits)
+
+    def plain(self, rows: list[Row], drafts: Drafts) -> bool:
+        """A round whose every row decodes plainly and greedily: no drafts, no grammar, no draw
+        (what the checks below would compute from it is the argmax alone)."""
+        return (
+            self.topk == 1
+            and not any(drafts.tokens)
+            and not any(m is not None for m in drafts.masks or [])
+            and not any(r.sampled and self.sample for r in rows)
+        )
+
+    def _plain_verdict(self, keys: list[str], logits: torch.Tensor) -> Verdict:
+        """A plain round's verdict: the argmax, and the general path's tensors of no drafts. Its
+        own path because a plain step's host work runs on caches the forward has just swept:
+        each small tensor op of the general path cost ~10x its warm time there (docs/journal.md,
+        "Host work of a plain step")."""
+        y = argmax(logits).cpu()  # [B, 1]: the round's one read
+        none = torch.zeros(y.shape[0], 0, dtype=torch.bool)  # [B, 0]
+        hits = self.runner.cache.take_hits(keys)
+        return Verdict(none, y, None, torch.ones_like(none), y[..., None], prefix_hit_tokens=hits)
 
     def _draw_keyed(self, rows: list[Row], idx: list[int], logits, d, y, support, ratio, h) -> None:
         """The sampled rows' tokens, all at once on the logits' device: each position's keyed
