@@ -1292,3 +1292,22 @@ def test_the_engine_drafts_a_copy_under_way_past_k_max_and_keeps_the_targets_tex
     ar = engine.generate([prompt], dict(params, mode="ar"))[0]
     assert req.generated == ar.generated
     assert widest > 4  # a copy drafted past k_max
+
+
+def test_a_drafting_plan_pays_back_the_drafters_catch_up_within_the_rows_remaining_tokens():
+    """Model drafts for a row the drafter has not seen make it prefill those tokens first
+    (RowInfo.drafter_lag), which the plan does not price: where the plan saves less over the
+    tokens the rows may still emit than that prefill costs, they decode plainly this round; a
+    saving that pays it, no lag, or a remaining not known (0) keep the plan."""
+    cost = cost_model(0.03, per_token=0.0002, per_forward=0.004)  # a draft at 0.3 gains a little
+
+    def ks(lag, remaining, n=1):
+        rows = [RowInfo(f"r{i}", 8, MODEL, acceptance=0.3, drafter_lag=lag, remaining=remaining) for i in range(n)]
+        return SpeculationPolicy(cost).choose(rows)
+
+    drafting = ks(0, 20)
+    assert drafting[0] > 0 and ks(0, 0) == drafting  # no lag: as planned
+    assert ks(2000, 10) == [0]  # a 2,000-token prefill (57 ms here) for 10 tokens saving 37 ms: plain
+    assert ks(2000, 100_000) == drafting  # the same prefill over a long answer pays
+    assert ks(2000, 0) == drafting  # remaining not known: as planned
+    assert ks(2000, 10, n=4) == [0] * 4  # a batch: its rows remaining together, their lags together

@@ -543,6 +543,7 @@ class Engine:
                 free_strong=b in offers and (offers[b][0] != "pld" or self.free_lookup.strong_match(offers[b][2])),
                 free_match=offers[b][2] if b in offers else 0,
                 drafter_lag=self._lag(req, req.drafter or self.default_drafter),
+                remaining=self._room(req) + 1,
                 drafter=req.drafter,
                 drafters=choices[b],
                 drafter_lags=tuple(self._lag(req, name) for name in choices[b]),

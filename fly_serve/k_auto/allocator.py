@@ -38,6 +38,9 @@ class RowInfo:
     # Tokens the model drafter must prefill before it can draft this row (it has not drafted
     # since these were committed): what a probe of a row left at k = 0 pays first
     drafter_lag: int = 0
+    # Tokens the request may still emit (0: not known): what a drafting plan has to pay that
+    # catch-up back within (speculation_policy._catch_up_paid)
+    remaining: int = 0
     # A model row's drafter by name (None: the engine's default), and the drafters k auto may
     # choose it among (speculation_policy.choose: by the row's acceptance with each, each one's
     # cost and its catch-up); (): no choice. drafter_lags: drafter_lag of each of `drafters`, in

@@ -41,6 +41,12 @@ drafts do, so a drafter written off is tried again. A round whose rows use sever
 planned with the costs of the drafter most of them use; the cost check and UnderLoad (which price
 the default drafter) learn only from rounds drafted by the default drafter alone.
 
+The drafter's catch-up. A model row the drafter has not seen lately (RowInfo.drafter_lag) makes
+it prefill those tokens before it drafts, which the plan does not price; the plan keeps such rows'
+drafts only if what it saves over their decoding plainly, over the tokens the rows may still emit
+(RowInfo.remaining), pays for that prefill (_catch_up_paid). Otherwise they decode plainly, and a
+probe brings the drafter back within its budget.
+
 Exploration. A row the plan leaves at k = 0 for `probe_every` rounds in a row (with a frozen profile,
 a gap that doubles after each probe that did not pay, up to max_probe_every, and at least long
 enough that probes cost `probe_budget` of the time, the drafter's catch-up of the tokens it missed
@@ -248,6 +254,7 @@ class SpeculationPolicy:
         self.drafter_of = [r.drafter if r.source == MODEL else None for r in rows]
         cost = self.cost_of(self._round_drafter(rows), len(rows))
         self.last, rows, self.free = self._best_sources(rows, cost)
+        self.last, rows = self._catch_up_paid(rows, self.last, cost)
         return self._probe(rows, self._step_width(rows, list(self.last.ks), cost))
 
     def _with_history(self, r: RowInfo, key: str | None = None) -> RowInfo:
@@ -322,6 +329,32 @@ class SpeculationPolicy:
             if p.rate > best.rate * (1 + 1e-9):
                 best, chosen, free = p, alt, use
         return best, chosen, free
+
+    def _catch_up_paid(self, rows: list[RowInfo], best: Plan, cost: RoundCostModel) -> tuple[Plan, list[RowInfo]]:
+        """The plan, unless the drafter's catch-up it needs is not paid back. A model row the
+        drafter has not seen lately (drafter_lag: a prompt it never drafted for, tokens decoded
+        plainly since) makes it prefill those tokens before it drafts, a cost allocator.plan does
+        not see. The plan's time saved a token against the same rows decoding plainly, over the
+        tokens the batch's rows may still emit, must beat that prefill; otherwise those rows decode
+        plainly (a probe brings the drafter back within probe_budget, its catch-up priced there:
+        _budget_gap). On the 2-core CPU 8 rows planned one draft each for a predicted 0.6% and
+        prefilled 490 prompt tokens on the drafter first (2.6 s; docs/journal.md, "The event loop
+        woken only for a chunk; host work of a plain step"). Rows of unknown remaining: as planned."""
+        lagging = [
+            b
+            for b, r in enumerate(rows)
+            if best.ks[b] > 0 and r.source == MODEL and not r.fixed and r.drafter_lag > 0 and r.remaining > 0
+        ]
+        if not lagging:
+            return best, rows
+        alt = [replace(r, limit=0) if b in lagging else r for b, r in enumerate(rows)]
+        plain = self._plan(alt, cost)
+        if not (0 < plain.rate < math.inf and 0 < best.rate < math.inf):
+            return best, rows
+        saved = (1 / plain.rate - 1 / best.rate) * sum(r.remaining for r in rows)
+        if saved > cost.catch_up_s(sum(rows[b].drafter_lag for b in lagging)):
+            return best, rows
+        return plain, alt
 
     def _plan(self, rows: list[RowInfo], cost: RoundCostModel) -> Plan:
         """allocator.plan, remembered for the last few inputs: a round whose rows, acceptances
