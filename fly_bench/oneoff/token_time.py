@@ -18,6 +18,10 @@ chat prompts, greedy, on the same GGUF files and kernels, one request at a time.
   the served time per token adds to the one process's is Ray's and HTTP's.
 - **llama-server** (`--peer`): its own timings (`predicted_per_token_ms`: its decode and sampling a
   token; `prompt_ms`) beside the client's time per token and TTFT.
+- **The kernels' threads**, in every place (fly_bench.schedstat, Linux): the threads that run the
+  kernels (the engine's process, the ingress replica's, llama-server's: those busy most of the
+  request), per token of the whole request: their time on the cores, and their time runnable but
+  waiting for a core, which is what the other threads on the machine cost the forward.
 Methods: `ar` (plain decoding) and `default` (the profile's own defaults: k auto, strict). Each cell
 runs `--repeats` times, one after the other, and reports its median; every run's prompt has a
 number of its own in front (`fresh`), so no cache holds it and every TTFT is a prefill; the places
@@ -31,6 +35,7 @@ import contextlib
 import functools
 import itertools
 import json
+import os
 import subprocess
 import sys
 import time
@@ -43,6 +48,7 @@ import requests
 from fly_bench.oneoff.served_vs_engine import engine_config_for, serving
 from fly_bench.prompts import TASKS
 from fly_bench.report import write_results
+from fly_bench.schedstat import busy_threads, thread_times
 
 METHODS = {"ar": {"mode": "ar"}, "default": {}}
 _NONCE = itertools.count(1)
@@ -123,6 +129,7 @@ def split(s: dict) -> dict:
 def engine_run(engine, timers: Timers, ids: list[int], knobs: dict, max_tokens: int) -> dict:
     """One greedy request, its rounds stepped here: TTFT (the first step) and per token after it."""
     req = engine.add(ids, dict(knobs, max_tokens=max_tokens, temperature=0))
+    before = thread_times(os.getpid())
     t0 = time.perf_counter()
     engine.step()
     ttft = time.perf_counter() - t0
@@ -139,6 +146,7 @@ def engine_run(engine, timers: Timers, ids: list[int], knobs: dict, max_tokens: 
         "ttft_ms": 1000 * ttft,
         "ms_per_token": 1000 * wall / n,
         "parts_ms_per_token": {k: 1000 * v / n for k, v in parts.items()},
+        **kernel_threads(before, thread_times(os.getpid()), time.perf_counter() - t0, len(req.generated)),
         "rounds": req.stats.rounds,
         "text": req.text,
     }
@@ -175,6 +183,19 @@ def in_process(config: str, prompts: list[str], max_tokens: int, repeats: int, p
             out["command"] = server.command
     timers.undo()
     return out
+
+
+def kernel_threads(before: dict, after: dict, wall_s: float, tokens: int) -> dict:
+    """The kernels' threads (those busy most of the run) per token of the whole request, its
+    prefill included: their time on the cores and their time runnable but waiting for one
+    (fly_bench.schedstat; nothing where it is unreadable)."""
+    busy = busy_threads(before, after, wall_s)
+    if not busy.on_cpu_s:
+        return {}
+    return {
+        "threads_on_cpu_ms_per_token": 1000 * busy.on_cpu_s / tokens,
+        "threads_waited_ms_per_token": 1000 * busy.waited_s / tokens,
+    }
 
 
 def median_run(runs: list[dict]) -> dict:
@@ -259,11 +280,23 @@ def stream_chat(url: str, text: str, knobs: dict, max_tokens: int) -> dict:
 
 
 def served_run(url: str, root: int, text: str, knobs: dict, max_tokens: int) -> dict:
-    before = cpu_by_role(root)
+    replica = _ingress_replica(root)
+    before, threads = cpu_by_role(root), thread_times(replica)
+    t0 = time.perf_counter()
     run = stream_chat(url, text, knobs, max_tokens)
+    wall = time.perf_counter() - t0
     after = cpu_by_role(root)
     run["cpu_ms_per_token"] = {k: 1000 * (after[k] - before.get(k, 0.0)) / run["tokens"] for k in after}
-    return run
+    return run | kernel_threads(threads, thread_times(replica), wall, run["tokens"])
+
+
+def _ingress_replica(root: int) -> int:
+    """The ingress replica's process among the service's (its kernels' threads); 0 if not found."""
+    with contextlib.suppress(psutil.Error):
+        for p in psutil.Process(root).children(recursive=True):
+            if role(p) == "ingress replica":
+                return p.pid
+    return 0
 
 
 def served(config: str, prompts: list[str], max_tokens: int, repeats: int, port: int, idle_s: float) -> dict:
@@ -316,9 +349,10 @@ def peer_run(server, prompt: str, max_tokens: int) -> dict:
     has it by default."""
     from fly_serve.engine.prompts import chat_prompt
 
+    before = thread_times(server.proc.pid)
     c = server.complete(chat_prompt(target_tokenizer(), fresh(TASKS[prompt])), max_tokens, cache_prompt=True)
     n = len(c.token_ids)
-    return {
+    return kernel_threads(before, thread_times(server.proc.pid), c.wall_s, n) | {
         "tokens": n,
         "ttft_ms": 1000 * c.ttft_s,
         "ms_per_token": 1000 * (c.wall_s - c.ttft_s) / max(n - 1, 1),
@@ -346,6 +380,7 @@ def table(result: dict) -> str:
         lines.append("|---" * (1 + len(result["places"][prompt])) + "|")
         cols = list(result["places"][prompt].values())
         keys = ["ms_per_token", "ttft_ms"] + [f"part:{p}" for p in PARTS] + ["server_ms_per_token"]
+        keys += ["threads_on_cpu_ms_per_token", "threads_waited_ms_per_token"]
         keys += sorted({f"cpu:{k}" for c in cols for k in c.get("cpu_ms_per_token", {})})
         for key in keys:
             vals = [_value(c, key) for c in cols]
