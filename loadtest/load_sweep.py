@@ -32,6 +32,10 @@ llama.cpp runtime reads), with as many slots (-np) as the largest user count, an
 users, bursts and prompts through its OpenAI-compatible /v1/chat/completions (streamed, usage). Its
 rows stand beside fly-serve's methods at every user count, and every row gets its ratio against
 the first peer (tok/s, the same bursts, TTFT). `--methods` with no names runs the peers alone.
+The peer runs beside the fly-serve service the sweep drives, which takes cores from it as from
+ours (2.4-5.2% of its speed on a 2-core VM, docs/journal.md "The idle service's tax on the cores"):
+a user who runs one server at a time gives it the machine alone, and
+`python -m fly_bench.oneoff.service_tax` measures against that.
 
     python -m loadtest.load_sweep --users 1 2 4 8 16 --methods ar fly:k=auto --peer llama-server \
         llama-server-draft --together 3 --max-tokens 160
