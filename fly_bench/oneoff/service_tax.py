@@ -3,17 +3,17 @@ against llama-server with the machine to itself (issue 51).
 
   python -m fly_bench.oneoff.service_tax --prompts code math --rounds 4 --out bench_out/service_tax
 
-The load sweep and the bench run their llama-server peer beside the service they compare it with,
-so the peer pays the idle service's wake-ups (Ray's actors, agents, GCS, raylet) as ours does; a
-user who runs one server at a time gives llama-server the machine alone. This starts the service
-(the profile, `fly_bench.oneoff.served_vs_engine.serving`) and llama-server on the target's GGUF,
-then, prompt by prompt, in turns: llama-server with the service **paused** (SIGSTOP to every process
-of it, SIGCONT after the request: its timers stop with it, and a pause lasts one request), llama-server
-**beside** the idle service, and **served** `ar`. Each run: ms a token after the first, and the
-kernels' threads' time on the cores and waiting for one, a token of the whole request
-(fly_bench.schedstat). Ratios are pairwise within a round: the service's tax on llama-server
-(beside over paused), served `ar` against llama-server alone (paused) and beside it (what the sweep
-reports).
+The load sweep runs its llama-server peer beside the service it compares it with (`fly-serve bench`
+has none: its engines run in its own process), so the peer pays the idle service's wake-ups (Ray's
+actors, agents, GCS, raylet) as ours does; a user who runs one server at a time gives llama-server
+the machine alone. This starts the service (the profile,
+`fly_bench.oneoff.served_vs_engine.serving`) and llama-server on the target's GGUF, then, prompt by
+prompt, in turns: llama-server with the service **paused** (SIGSTOP to every process of it, SIGCONT
+after the request: its timers stop with it, and a pause lasts one request), llama-server **beside**
+the idle service, and **served** `ar`. Each run: ms a token after the first, and the kernels'
+threads' time on the cores and waiting for one, a token of the whole request (fly_bench.schedstat).
+Ratios are pairwise within a round: the service's tax on llama-server (beside over paused), served
+`ar` against llama-server alone (paused) and beside it (what the sweep reports).
 """
 
 import argparse
