@@ -302,7 +302,7 @@ def _ingress_replica(root: int) -> int:
 def served(config: str, prompts: list[str], max_tokens: int, repeats: int, port: int, idle_s: float) -> dict:
     out = {}
     with serving(config, port, tiny=False) as url:
-        root = _server_pid(port)
+        root = server_pid(port)
         before = cpu_by_role(root)
         time.sleep(idle_s)  # an idle service's own wake-ups
         after = cpu_by_role(root)
@@ -315,7 +315,7 @@ def served(config: str, prompts: list[str], max_tokens: int, repeats: int, port:
     return out
 
 
-def _server_pid(port: int) -> int:
+def server_pid(port: int) -> int:
     """The `fly_cli.main serve --port <port>` process (served_vs_engine.serving started it): the
     service's processes are its descendants."""
     for p in psutil.process_iter(["cmdline"]):

@@ -337,9 +337,9 @@ class SpeculationPolicy:
         not see. The plan's time saved a token against the same rows decoding plainly, over the
         tokens the batch's rows may still emit, must beat that prefill; otherwise those rows decode
         plainly (a probe brings the drafter back within probe_budget, its catch-up priced there:
-        _budget_gap). On the 2-core CPU 8 rows planned one draft each for a predicted 0.6% and
-        prefilled 490 prompt tokens on the drafter first (2.6 s; docs/journal.md, "The event loop
-        woken only for a chunk; host work of a plain step"). Rows of unknown remaining: as planned."""
+        _budget_gap). Why: on a slow drafter a first drafting round's prefill of the batch's prompts
+        can cost more than the whole answer's gain (docs/journal.md, "The event loop woken only for
+        a chunk; host work of a plain step"). Rows of unknown remaining: as planned."""
         lagging = [
             b
             for b, r in enumerate(rows)
