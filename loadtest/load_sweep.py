@@ -33,12 +33,14 @@ users, bursts and prompts through its OpenAI-compatible /v1/chat/completions (st
 rows stand beside fly-serve's methods at every user count, and every row gets its ratio against
 the first peer (tok/s, the same bursts, TTFT). `--methods` with no names runs the peers alone.
 The peer runs beside the fly-serve service the sweep drives, which takes cores from it as from
-ours (2.4-5.2% of its speed on a 2-core VM, docs/journal.md "The idle service's tax on the cores"):
-a user who runs one server at a time gives it the machine alone, and
-`python -m fly_bench.oneoff.service_tax` measures against that.
+ours (2.4-5.2% of its speed on a 2-core VM, docs/journal.md "The idle service's tax on the cores").
+A user who runs one server at a time gives it the machine alone: with `--peer-alone` the sweep
+stops the service (SIGSTOP to every process of the server listening on --host's port: for
+`fly-serve serve`, the launcher, Ray's processes and workers; fly_bench/pause.py) for each of a
+peer's bursts, runs and warm-up, and continues it after.
 
     python -m loadtest.load_sweep --users 1 2 4 8 16 --methods ar fly:k=auto --peer llama-server \
-        llama-server-draft --together 3 --max-tokens 160
+        llama-server-draft --together 3 --max-tokens 160 --peer-alone
 
 `--prompts code rewrite math ...` sends the named one-prompt tasks (fly_bench.prompts.TASKS)
 instead of the sweep's chats; with `--together N` at 1 user, burst n sends prompt n, and
@@ -67,6 +69,7 @@ from locust.exception import StopUser
 
 from fly_bench.llama_server import LlamaServer, LlamaServerMissing
 from fly_bench.methods import parse_method
+from fly_bench.pause import listener_tree, paused
 from fly_bench.prompts import SWEEP_CHATS, TASKS
 
 # `import locust` patches the process for gevent, which takes select.epoll away; huggingface_hub
@@ -93,6 +96,28 @@ class Method:
             key, _, value = part.partition("=")
             fly[key] = int(value) if value.lstrip("-").isdigit() else float(value) if "." in value else value
         return cls(text, fly)
+
+
+@dataclass
+class PeerAlone:
+    """--peer-alone: the fly-serve service (the server on --host's port, this machine) stopped
+    while a peer runs; port None: the peers run beside it."""
+
+    port: int | None
+    pauses: int = 0
+
+    @contextlib.contextmanager
+    def __call__(self, method: Method):
+        if method.fly is not None or self.port is None:
+            yield
+            return
+        with paused(listener_tree(self.port)):
+            yield
+        self.pauses += 1
+        time.sleep(0.5)  # the service's own catch-up after its pause, not in the next method's run
+
+
+BESIDE = PeerAlone(None)
 
 
 @dataclass
@@ -194,23 +219,28 @@ def user_class(method: Method, users: int, max_tokens: int, records: list[Record
     return SweepUser
 
 
-def run_level(host: str, method: Method, users: int, duration_s: float, max_tokens: int) -> tuple[list[Record], dict]:
+def run_level(
+    host: str, method: Method, users: int, duration_s: float, max_tokens: int, alone: PeerAlone = BESIDE
+) -> tuple[list[Record], dict]:
     """`users` users for `duration_s`, then the users stop after their request in flight."""
     records: list[Record] = []
     classes = [user_class(method, users, max_tokens, records)]
     env = Environment(user_classes=classes, host=method.host or host, stop_timeout=900)
     runner = env.create_local_runner()
-    t0 = time.perf_counter()
-    runner.start(users, spawn_rate=users)
-    gevent.sleep(duration_s)
-    runner.stop()  # waits (up to stop_timeout) for the requests in flight
-    wall = time.perf_counter() - t0
+    with alone(method):
+        t0 = time.perf_counter()
+        runner.start(users, spawn_rate=users)
+        gevent.sleep(duration_s)
+        runner.stop()  # waits (up to stop_timeout) for the requests in flight
+        wall = time.perf_counter() - t0
     failures = env.stats.total.num_failures
     runner.quit()
     return records, summarize(records, wall, failures)
 
 
-def run_bursts(host: str, methods: list[Method], users: int, bursts: int, max_tokens: int) -> dict[str, tuple]:
+def run_bursts(
+    host: str, methods: list[Method], users: int, bursts: int, max_tokens: int, alone: PeerAlone = BESIDE
+) -> dict[str, tuple]:
     """`bursts` times, `users` requests that arrive together (one per user, spawned at once) and
     all finish before the next burst, for every method in turn (reversed every other burst).
     Returns, per method, (records, summary): its wall is the sum of its bursts' makespans."""
@@ -219,7 +249,8 @@ def run_bursts(host: str, methods: list[Method], users: int, bursts: int, max_to
     failures = dict.fromkeys(records, 0)
     for burst in range(bursts):
         for method in methods if burst % 2 == 0 else methods[::-1]:
-            wall, failed = one_burst(host, method, users, burst, max_tokens, records[method.name])
+            with alone(method):
+                wall, failed = one_burst(host, method, users, burst, max_tokens, records[method.name])
             makespans[method.name].append(wall)
             failures[method.name] += failed
     out = {}
@@ -485,6 +516,12 @@ def main(argv=None) -> None:
     ap.add_argument("--peer-drafter", default=None, help="llama-server-draft's drafter (default: the embedded one)")
     ap.add_argument("--peer-threads", type=int, default=None, help="the peers' threads (default: this process's cores)")
     ap.add_argument("--peer-context", type=int, default=4096, help="tokens per peer slot")
+    ap.add_argument(
+        "--peer-alone",
+        action="store_true",
+        help="stop the fly-serve service (every process of the server on --host's port) while a peer runs: "
+        "the machine to the peer alone, as a user who runs one server at a time gives it",
+    )
     args = ap.parse_args(argv)
     if args.together < 0:
         ap.error(f"--together: a number of bursts, 0 or more (got {args.together})")
@@ -492,6 +529,13 @@ def main(argv=None) -> None:
         sys.exit(f"--host: only 127.0.0.1 is allowed (got {args.host})")
     if not args.methods and not args.peer:
         ap.error("--methods: none given and no --peer: nothing to measure")
+    if args.peer_alone:
+        if not args.peer:
+            ap.error("--peer-alone: no --peer to give the machine to")
+        try:
+            listener_tree(urlparse(args.host).port or 80)
+        except LookupError as e:
+            ap.error(f"--peer-alone: the service at {args.host}: {e}")
     if args.prompts:
         PROMPTS[:] = [TASKS[name] for name in args.prompts]
     out = Path(args.out)
@@ -506,13 +550,15 @@ def sweep(args, methods: list[Method], out: Path, peers: dict[str, LlamaServer])
     """Every user count, every method and peer; the files and the table. Ratios against the first peer."""
     summary: dict = {}
     every: list[Record] = []
+    alone = PeerAlone(urlparse(args.host).port or 80) if args.peer_alone else BESIDE
     for method in methods:
-        warm_up(method.host or args.host, method)
+        with alone(method):
+            warm_up(method.host or args.host, method)
     for users in args.users:
         if args.together:
-            runs = run_bursts(args.host, methods, users, args.together, args.max_tokens)
+            runs = run_bursts(args.host, methods, users, args.together, args.max_tokens, alone)
         else:
-            runs = {m.name: run_level(args.host, m, users, args.duration, args.max_tokens) for m in methods}
+            runs = {m.name: run_level(args.host, m, users, args.duration, args.max_tokens, alone) for m in methods}
         for method in methods:
             records, s = runs[method.name]
             summary.setdefault(str(users), {})[method.name] = s
@@ -528,6 +574,7 @@ def sweep(args, methods: list[Method], out: Path, peers: dict[str, LlamaServer])
         summary["check"] = check([r for r in every if r.method not in peers], args.check, args.max_tokens)
     if peers:
         summary["peers"] = {name: server.command for name, server in peers.items()}
+        summary["peers_alone"] = {"service_paused_times": alone.pauses} if args.peer_alone else False
     peer = next(iter(peers), None)
     report = table(levels, peer)
     if args.prompts:

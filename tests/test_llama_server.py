@@ -4,11 +4,13 @@ on the same file, its figures, its stop; `fly-serve bench` with it and an engine
 runtime; the load sweep's peer (a subprocess: Locust patches the process for gevent). Where no
 llama-server is built (scripts/build_llama_server.sh) these skip, saying so."""
 
+import csv
 import json
 import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 
 from fly_bench import run
@@ -171,3 +173,59 @@ def test_load_sweep_peer_on_the_tiny_gguf(binary, tmp_path):
         assert set(after) == set(rates) and min(after.values()) > 0
         over = after["llama-server"] / after["llama-server-draft"]
         assert f"{ratio:.2f} | {after['llama-server-draft']:.1f} | {over:.2f} |" in table
+
+
+SERVICE = (  # a stand-in service: listens on a port it prints, and a child that notes the time every 5 ms
+    "import socket, subprocess, sys, time\n"
+    "s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen()\n"
+    'tick = \'import sys, time\\nwith open(sys.argv[1], "a") as f:\\n    while True:\\n'
+    '        f.write(f"{time.perf_counter()}\\\\n"); f.flush(); time.sleep(0.005)\\n\'\n'
+    "subprocess.Popen([sys.executable, '-c', tick, sys.argv[1]])\n"
+    "print(s.getsockname()[1], flush=True)\n"
+    "time.sleep(600)\n"
+)
+
+
+def test_load_sweep_peer_alone_stops_the_service_while_the_peer_runs(binary, tmp_path):
+    """--peer-alone: every process of the server on --host's port is stopped for each of the peer's
+    runs (its warm-up and bursts) and runs again after: no tick of its child inside a peer's
+    request, ticks between them."""
+    ticks = tmp_path / "ticks"
+    service = subprocess.Popen([sys.executable, "-c", SERVICE, str(ticks)], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(service.stdout.readline())
+        args = ["--methods", "--peer", "llama-server", "--peer-target", "tiny:0", "--peer-threads", "1"]
+        args += ["--peer-context", "256", "--users", "1", "--together", "2", "--max-tokens", "6", "--prompts", "code"]
+        args += ["--host", f"http://127.0.0.1:{port}", "--peer-alone", "--out", str(tmp_path / "out")]
+        done = subprocess.run(
+            [sys.executable, "-m", "loadtest.load_sweep", *args], cwd=ROOT, capture_output=True, text=True, timeout=300
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+    finally:
+        for p in psutil.Process(service.pid).children(recursive=True):
+            p.kill()
+        service.kill()
+        service.wait()
+        service.stdout.close()
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["peers_alone"] == {"service_paused_times": 3}  # the warm-up and 2 bursts
+    at = [float(line) for line in ticks.read_text().split()]
+    with open(tmp_path / "out" / "llama-server-u1.csv") as f:
+        requests = [(float(r["start"]), float(r["start"]) + float(r["latency_s"])) for r in csv.DictReader(f)]
+    assert len(requests) == 2
+    for start, end in requests:
+        assert not [t for t in at if start <= t <= end], (start, end)
+    between = [t for t in at if requests[0][1] < t < requests[1][0]]
+    assert between, "the service ran between the peer's bursts"
+
+
+def test_load_sweep_peer_alone_without_a_service_is_refused(binary, tmp_path):
+    args = ["--methods", "--peer", "llama-server", "--peer-target", "tiny:0", "--host", "http://127.0.0.1:9"]
+    done = subprocess.run(
+        [sys.executable, "-m", "loadtest.load_sweep", *args, "--peer-alone", "--out", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2 and "--peer-alone: the service at http://127.0.0.1:9" in done.stderr, done.stderr

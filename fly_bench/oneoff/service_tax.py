@@ -10,16 +10,18 @@ the machine alone. This starts the service (the profile,
 `fly_bench.oneoff.served_vs_engine.serving`) and llama-server on the target's GGUF, then, prompt by
 prompt, in turns: llama-server with the service **paused** (SIGSTOP to every process of it, SIGCONT
 after the request: its timers stop with it, and a pause lasts one request), llama-server **beside**
-the idle service, and **served** `ar`. Each run: ms a token after the first, and the kernels'
-threads' time on the cores and waiting for one, a token of the whole request (fly_bench.schedstat).
-Ratios are pairwise within a round: the service's tax on llama-server (beside over paused), served
-`ar` against llama-server alone (paused) and beside it (what the sweep reports).
+the idle service, **served** `ar`, and served `ar` with Ray's **background** paused (every process
+of the service but the ingress replica and the HTTP proxy, which the request needs: the controller,
+GCS, raylet, agents, log monitor, the launcher). Each run: ms a token after the first, and the
+kernels' threads' time on the cores and waiting for one, a token of the whole request
+(fly_bench.schedstat). Ratios are pairwise within a round: the service's tax on llama-server (beside
+over paused), served `ar` against llama-server alone (paused) and beside it (what the sweep
+reports), and served `ar` with the background paused against llama-server alone: what the request's
+own path (proxy, replica, engine) costs apart from Ray's other processes.
 """
 
 import argparse
 import contextlib
-import os
-import signal
 import statistics
 import time
 from collections import defaultdict
@@ -28,44 +30,18 @@ from pathlib import Path
 import psutil
 
 from fly_bench.oneoff.served_vs_engine import serving
-from fly_bench.oneoff.token_time import fresh, peer_run, peer_server, served_run, server_pid
+from fly_bench.oneoff.token_time import fresh, peer_run, peer_server, role, served_run, server_pid
+from fly_bench.pause import paused, tree_pids
 from fly_bench.prompts import TASKS
 from fly_bench.report import write_results
 
-PLACES = ("paused", "beside", "served")
+PLACES = ("paused", "beside", "served", "background paused")
+REQUEST_PATH = ("ingress replica", "proxy")  # the roles a served request runs through
 
 
-def service_pids(root: int) -> list[int]:
-    """The launcher and every process under it (Ray's head processes and its workers)."""
-    proc = psutil.Process(root)
-    return [root, *(p.pid for p in proc.children(recursive=True))]
-
-
-@contextlib.contextmanager
-def paused(pids: list[int], settle_s: float = 2.0):
-    """Every process stopped until the block ends, then continued (those that are gone skipped).
-    The block starts once each one is seen stopped (a signal lands when the process is next
-    scheduled), or after settle_s."""
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGSTOP)
-    deadline = time.monotonic() + settle_s
-    for pid in pids:
-        while time.monotonic() < deadline and _running(pid):
-            time.sleep(0.001)
-    try:
-        yield
-    finally:
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGCONT)
-
-
-def _running(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() not in (psutil.STATUS_STOPPED, psutil.STATUS_ZOMBIE)
-    except psutil.NoSuchProcess:
-        return False
+def background(root: int) -> list[int]:
+    """The service's processes a served request does not run through."""
+    return [pid for pid in tree_pids(root) if role(psutil.Process(pid)) not in REQUEST_PATH]
 
 
 def one_round(url: str, root: int, server, prompt: str, max_tokens: int, order: tuple[str, ...]) -> dict:
@@ -73,8 +49,12 @@ def one_round(url: str, root: int, server, prompt: str, max_tokens: int, order: 
     for place in order:
         if place == "served":
             out[place] = served_run(url, root, fresh(TASKS[prompt]), {"mode": "ar"}, max_tokens)
+        elif place == "background paused":
+            with paused(background(root)):
+                out[place] = served_run(url, root, fresh(TASKS[prompt]), {"mode": "ar"}, max_tokens)
+            time.sleep(0.5)
         elif place == "paused":
-            with paused(service_pids(root)):
+            with paused(tree_pids(root)):
                 out[place] = peer_run(server, prompt, max_tokens)
             time.sleep(0.5)  # the service's own catch-up after the pause, not in the next run
         else:
@@ -111,7 +91,8 @@ def summary(result: dict, prompts: list[str]) -> str:
             f"- {prompt}: the idle service's tax on llama-server (beside / paused, ms) "
             f"{_pairwise(runs['beside'], runs['paused']):.3f}; served `ar` x llama-server alone "
             f"{_pairwise(runs['paused'], runs['served']):.3f}, x llama-server beside it "
-            f"{_pairwise(runs['beside'], runs['served']):.3f} (pairwise medians of {len(runs['served'])})"
+            f"{_pairwise(runs['beside'], runs['served']):.3f}; with Ray's background paused x llama-server alone "
+            f"{_pairwise(runs['paused'], runs['background paused']):.3f} (pairwise medians of {len(runs['served'])})"
         )
     title = "# The idle service's tax, and served `ar` against llama-server alone"
     return "\n".join([title, "", *lines, "", *ratios, ""])
