@@ -82,9 +82,26 @@ def test_rejected_drafts_roll_back_and_the_row_continues_as_if_never_fed(gguf):
 def test_catch_up_prefills_only_rows_that_lag(gguf):
     r = runner(gguf)
     r.feed(["a"], [SEQ[:11]])
-    r.catch_up(["a", "b"], [SEQ, SEQ[:6]])
+    r.catch_up(["a", "b", "c"], [SEQ, SEQ[:6], SEQ[::-1]])
     assert held(r, "a") == 11  # a lag of one rides in the round's own forward
-    assert held(r, "b") == 5  # all but the last token, whose logits the round wants
+    assert held(r, "b") == 5 and held(r, "c") == len(SEQ) - 1  # all but the last token, whose logits the round wants
+
+
+def test_a_lone_newcomer_rides_in_the_rounds_forward_its_first_token_one_decode(gguf):
+    """One row lagging (a request arriving alone): the catch-up leaves its prompt to the round's
+    own forward, which feeds all of it in one decode and reads the first token's logits from the
+    prompt's last position (as llama-server does), beside the other rows' tokens."""
+    r = runner(gguf)
+    r.feed(["a"], [SEQ[:11]])
+    r.catch_up(["a", "b"], [SEQ, SEQ[::-1]])
+    assert held(r, "b") == 0
+    decodes = []
+    decode = r._decode_chunk
+    r._decode_chunk = lambda ids, *a: (decodes.append(len(ids)), decode(ids, *a))[1]
+    logits, fed = r.feed(["a", "b"], [SEQ, SEQ[::-1]], tail=[1, 1])
+    assert decodes == [1 + len(SEQ)] and fed == [1, len(SEQ)]
+    assert torch.allclose(logits[0, 0], torch_logits(SEQ)[-1], atol=TOL)
+    assert torch.allclose(logits[1, 0], torch_logits(SEQ[::-1])[-1], atol=TOL)
 
 
 def test_a_prompt_longer_than_one_batch_is_fed_in_order_in_several_decodes(gguf):
@@ -139,10 +156,9 @@ def test_a_donor_is_kept_out_of_the_cache_and_restored_for_the_prefix_it_shares(
 
 
 def test_a_prompt_cached_whole_costs_its_next_request_one_token(gguf):
-    """The same prompt again (a retry, a second user, a bench's bursts): the engine's catch-up feeds
-    all but the last token, wanting no logits, and the round's forward the last. The catch-up adopts
-    every token it would feed from the donor and calls nothing; the round then feeds one token (it
-    adopted one token fewer, so two one-token decodes paid the first token twice over)."""
+    """The same prompt again (a retry, a second user, a bench's bursts): the round's forward adopts
+    all but the last token from the donor and feeds that one (the catch-up leaves a lone row to it
+    and calls nothing)."""
     prompt = list(range(20, 60))
     r = runner(gguf, prefix_cache=True)
     r.catch_up(["a"], [prompt])
@@ -152,9 +168,9 @@ def test_a_prompt_cached_whole_costs_its_next_request_one_token(gguf):
     decode = r._decode_chunk
     r._decode_chunk = lambda ids, *a: (decodes.append(len(ids)), decode(ids, *a))[1]
     r.catch_up(["b"], [prompt])
-    assert decodes == [] and held(r, "b") == len(prompt) - 1 and r.cache.take_hits(["b"]) == [len(prompt) - 1]
+    assert decodes == [] and held(r, "b") == 0
     logits, fed = r.feed(["b"], [prompt], tail=[1])
-    assert decodes == [1] and fed == [1]
+    assert decodes == [1] and fed == [1] and r.cache.take_hits(["b"]) == [len(prompt) - 1]
     assert torch.allclose(logits[0, 0], torch_logits(prompt)[-1], atol=TOL)
 
 

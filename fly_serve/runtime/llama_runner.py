@@ -560,15 +560,23 @@ class LlamaRunner:
             raise RuntimeError(f"llama_decode failed ({rc}) on a batch of {n} tokens")
 
     def catch_up(self, keys: list[str], tokens: list[list[int]], max_lag: int = 1) -> None:
-        """runner.Runner.catch_up: rows lagging more than max_lag tokens prefill now, apart from the
-        round's forward, together (one decode: llama.cpp pads nothing); the round's rows are protected."""
+        """runner.Runner.catch_up, where a forward pads nothing: a lone row lagging more than
+        max_lag tokens is left to the caller's next feed, its prompt in the round's own forward
+        (llama.cpp's batch is flat: the other rows' tokens ride beside it unpadded). The prompt and
+        the round's tokens then take one pass over the weights, and the first token comes from the
+        prompt's own last position, as llama-server's does; prefilled apart (all but its last
+        token, then that token alone in the round), a request's first token cost one forward more
+        (docs/journal.md, "A newcomer's prompt in the round's forward"). Several lagging rows
+        prefill now, together (one decode); with the prefix cache the first goes alone, so the
+        others adopt the prefix it shares with them (a chat template's system prompt) rather than
+        each computing its own. The round's rows are protected."""
         behind = [
             b for b, (key, toks) in enumerate(zip(keys, tokens)) if len(toks) - self.cache.valid(key, toks) > max_lag
         ]
-        # With the prefix cache the first goes alone, so the others adopt the prefix it shares
-        # with them (a chat template's system prompt) rather than each computing its own.
+        if len(behind) < 2:
+            return
         parts = [behind[:1], behind[1:]] if self.cache.prefix_cache else [behind]
-        for part in filter(None, parts):
+        for part in parts:
             self.feed([keys[b] for b in part], [tokens[b][:-1] for b in part], logits=False, protect=keys)
 
     def release(self, keys) -> None:
