@@ -42,6 +42,10 @@ peer's bursts, runs and warm-up, and continues it after.
     python -m loadtest.load_sweep --users 1 2 4 8 16 --methods ar fly:k=auto --peer llama-server \
         llama-server-draft --together 3 --max-tokens 160 --peer-alone
 
+`--fresh` puts a number of its own before each request's prompt, so no server's prompt cache holds
+it and every time to first token prefills the prompt (without it the methods of one server share
+its cache: a prompt another method sent before is prefilled once, and its TTFT reads low).
+
 `--prompts code rewrite math ...` sends the named one-prompt tasks (fly_bench.prompts.TASKS)
 instead of the sweep's chats; with `--together N` at 1 user, burst n sends prompt n, and
 summary.md adds a table by prompt (each method's tok/s, and its ratios against ar and the peer on
@@ -78,6 +82,7 @@ from fly_bench.prompts import SWEEP_CHATS, TASKS
 # finds it loaded.
 
 PROMPTS: list[str] = list(SWEEP_CHATS)  # what the users send (--prompts replaces them)
+NONCES: list[itertools.count] = []  # --fresh: the counter of the numbers put before each request's prompt
 SPAWN_AT_ONCE = 10_000  # users a second: a burst's users start within milliseconds of each other
 BURST_DEADLINE_S = 900  # a burst's requests unfinished by then count as failures
 
@@ -133,6 +138,7 @@ class Record:
     drafted: int
     text: str
     burst: int | None = None  # with --together: which burst it came in
+    prefix: str = ""  # --fresh: what went before the prompt (its number)
 
 
 def user_class(method: Method, users: int, max_tokens: int, records: list[Record], burst: int | None = None) -> type:
@@ -162,8 +168,9 @@ def user_class(method: Method, users: int, max_tokens: int, records: list[Record
                     raise StopUser()
 
         def send(self, i: int) -> None:
+            prefix = f"(#{next(NONCES[0])}) " if NONCES else ""
             body = {
-                "messages": [{"role": "user", "content": PROMPTS[i]}],
+                "messages": [{"role": "user", "content": prefix + PROMPTS[i]}],
                 "max_tokens": max_tokens,
                 "temperature": 0,
                 "stream": True,
@@ -213,6 +220,7 @@ def user_class(method: Method, users: int, max_tokens: int, records: list[Record
                     drafted,
                     "".join(text),
                     burst,
+                    prefix,
                 )
             )
 
@@ -470,7 +478,7 @@ def check(records: list[Record], n: int, max_tokens: int) -> dict:
     equal = 0
     for r in sample:
         method = Method.parse(r.method)
-        prompt = chat_prompt(engine.tokenizer, PROMPTS[r.prompt])
+        prompt = chat_prompt(engine.tokenizer, r.prefix + PROMPTS[r.prompt])
         [req] = engine.generate([prompt], {**method.fly, "max_tokens": max_tokens})
         equal += req.text == r.text
     return {"checked": len(sample), "equal_to_in_process": equal}
@@ -501,6 +509,11 @@ def main(argv=None) -> None:
         default=None,
         choices=sorted(TASKS),
         help="send these one-prompt tasks (fly_bench.prompts.TASKS) instead of the sweep's chats",
+    )
+    ap.add_argument(
+        "--fresh",
+        action="store_true",
+        help="a number of its own before each request's prompt: no server's prompt cache holds any (TTFT prefills)",
     )
     ap.add_argument("--check", type=int, default=0, help="greedy outputs to compare with the in-process engine")
     ap.add_argument("--out", default="loadtest/results/sweep")
@@ -538,6 +551,8 @@ def main(argv=None) -> None:
             ap.error(f"--peer-alone: the service at {args.host}: {e}")
     if args.prompts:
         PROMPTS[:] = [TASKS[name] for name in args.prompts]
+    if args.fresh:  # from the clock: a sweep after another against the same servers gets other numbers
+        NONCES[:] = [itertools.count(time.time_ns() // 1000 % 10**9)]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     with contextlib.ExitStack() as stack:

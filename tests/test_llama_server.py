@@ -6,6 +6,7 @@ llama-server is built (scripts/build_llama_server.sh) these skip, saying so."""
 
 import csv
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -196,7 +197,7 @@ def test_load_sweep_peer_alone_stops_the_service_while_the_peer_runs(binary, tmp
         port = int(service.stdout.readline())
         args = ["--methods", "--peer", "llama-server", "--peer-target", "tiny:0", "--peer-threads", "1"]
         args += ["--peer-context", "256", "--users", "1", "--together", "2", "--max-tokens", "6", "--prompts", "code"]
-        args += ["--host", f"http://127.0.0.1:{port}", "--peer-alone", "--out", str(tmp_path / "out")]
+        args += ["--host", f"http://127.0.0.1:{port}", "--peer-alone", "--fresh", "--out", str(tmp_path / "out")]
         done = subprocess.run(
             [sys.executable, "-m", "loadtest.load_sweep", *args], cwd=ROOT, capture_output=True, text=True, timeout=300
         )
@@ -211,8 +212,11 @@ def test_load_sweep_peer_alone_stops_the_service_while_the_peer_runs(binary, tmp
     assert summary["peers_alone"] == {"service_paused_times": 3}  # the warm-up and 2 bursts
     at = [float(line) for line in ticks.read_text().split()]
     with open(tmp_path / "out" / "llama-server-u1.csv") as f:
-        requests = [(float(r["start"]), float(r["start"]) + float(r["latency_s"])) for r in csv.DictReader(f)]
+        rows = list(csv.DictReader(f))
+    requests = [(float(r["start"]), float(r["start"]) + float(r["latency_s"])) for r in rows]
     assert len(requests) == 2
+    # --fresh: each request's prompt had a number of its own before it
+    assert len({r["prefix"] for r in rows}) == 2 and all(re.fullmatch(r"\(#\d+\) ", r["prefix"]) for r in rows)
     for start, end in requests:
         assert not [t for t in at if start <= t <= end], (start, end)
     between = [t for t in at if requests[0][1] < t < requests[1][0]]
