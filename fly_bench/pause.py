@@ -19,11 +19,11 @@ def tree_pids(root: int) -> list[int]:
     return [root, *(p.pid for p in proc.children(recursive=True))]
 
 
-def listener_tree(port: int) -> list[int]:
-    """The processes of the server listening on this machine's `port`: the topmost ancestor of the
-    listening process that is not this process or one of its ancestors (a shell both were started
-    from, this process itself), and everything under it. For `fly-serve serve` that is the
-    launcher, Ray's head processes and its workers. Raises LookupError when nothing listens there."""
+def listener_root(port: int) -> int:
+    """The root process of the server listening on this machine's `port`: the topmost ancestor of
+    the listening process that is not this process or one of its ancestors (a shell both were
+    started from, this process itself). For `fly-serve serve` that is the launcher, above Ray's
+    head processes and its workers. Raises LookupError when nothing listens there."""
     listeners = {
         c.pid for c in psutil.net_connections("tcp") if c.status == psutil.CONN_LISTEN and c.laddr.port == port
     }
@@ -36,7 +36,13 @@ def listener_tree(port: int) -> list[int]:
         proc = parent
     if proc.pid in mine:
         raise LookupError(f"port {port} is this process's own")
-    return tree_pids(proc.pid)
+    return proc.pid
+
+
+def listener_tree(port: int) -> list[int]:
+    """The processes of the server listening on `port`: its root (listener_root) and everything
+    under it."""
+    return tree_pids(listener_root(port))
 
 
 @contextlib.contextmanager

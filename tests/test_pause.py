@@ -9,7 +9,7 @@ import time
 import psutil
 import pytest
 
-from fly_bench.pause import listener_tree, paused, tree_pids
+from fly_bench.pause import listener_root, listener_tree, paused, tree_pids
 
 LISTENER = (  # listens on a free port and prints it
     "import socket, time; s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen(); "
@@ -58,6 +58,7 @@ def test_the_server_on_a_port_is_the_listeners_tree_from_below_this_process(tree
     """The child listens; its parent (the root) is this test's child: the tree starts there, not
     at this process (never stopped) nor at the listener (its parent would run on)."""
     root, port = tree
+    assert listener_root(port) == root
     assert listener_tree(port) == tree_pids(root)
 
 

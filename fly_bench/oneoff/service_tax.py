@@ -30,8 +30,8 @@ from pathlib import Path
 import psutil
 
 from fly_bench.oneoff.served_vs_engine import serving
-from fly_bench.oneoff.token_time import fresh, peer_run, peer_server, role, served_run, server_pid
-from fly_bench.pause import paused, tree_pids
+from fly_bench.oneoff.token_time import fresh, peer_run, peer_server, role, served_run
+from fly_bench.pause import listener_root, paused, tree_pids
 from fly_bench.prompts import TASKS
 from fly_bench.report import write_results
 
@@ -65,7 +65,7 @@ def one_round(url: str, root: int, server, prompt: str, max_tokens: int, order: 
 def measure(config: str, prompts: list[str], rounds: int, max_tokens: int, port: int) -> dict:
     runs = defaultdict(list)  # (prompt, place) -> runs
     with serving(config, port, tiny=False) as url, peer_server() as server:
-        root = server_pid(port)
+        root = listener_root(port)
         for prompt in prompts:
             one_round(url, root, server, prompt, 8, PLACES)  # warm-up
             for i in range(rounds):

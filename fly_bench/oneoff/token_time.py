@@ -46,6 +46,7 @@ import psutil
 import requests
 
 from fly_bench.oneoff.served_vs_engine import engine_config_for, serving
+from fly_bench.pause import listener_root
 from fly_bench.prompts import TASKS
 from fly_bench.report import write_results
 from fly_bench.schedstat import busy_threads, thread_times
@@ -302,7 +303,7 @@ def _ingress_replica(root: int) -> int:
 def served(config: str, prompts: list[str], max_tokens: int, repeats: int, port: int, idle_s: float) -> dict:
     out = {}
     with serving(config, port, tiny=False) as url:
-        root = server_pid(port)
+        root = listener_root(port)
         before = cpu_by_role(root)
         time.sleep(idle_s)  # an idle service's own wake-ups
         after = cpu_by_role(root)
@@ -313,16 +314,6 @@ def served(config: str, prompts: list[str], max_tokens: int, repeats: int, port:
                 runs = [served_run(url, root, fresh(TASKS[prompt]), knobs, max_tokens) for _ in range(repeats)]
                 out[f"{method}/{prompt}"] = median_run(runs)
     return out
-
-
-def server_pid(port: int) -> int:
-    """The `fly_cli.main serve --port <port>` process (served_vs_engine.serving started it): the
-    service's processes are its descendants."""
-    for p in psutil.process_iter(["cmdline"]):
-        line = " ".join(p.info["cmdline"] or [])
-        if "fly_cli.main" in line and "serve" in line and str(port) in line:
-            return p.pid
-    raise RuntimeError("the serve process was not found")
 
 
 # ---- llama-server
