@@ -20,10 +20,13 @@ def tree_pids(root: int) -> list[int]:
 
 
 def listener_root(port: int) -> int:
-    """The root process of the server listening on this machine's `port`: the topmost ancestor of
-    the listening process that is not this process or one of its ancestors (a shell both were
-    started from, this process itself). For `fly-serve serve` that is the launcher, above Ray's
-    head processes and its workers. Raises LookupError when nothing listens there."""
+    """The root process of the server listening on this machine's `port`: from the listening
+    process up, the topmost ancestor that is not this process or one of its ancestors (a shell
+    both were started from) and not the leader of a session: a server started from another
+    terminal stops below that terminal's shell, so nothing else that runs there is stopped with it.
+    For `fly-serve serve` that is the launcher, above Ray's head processes and its workers (started
+    as a session's leader, `setsid fly-serve serve`: its child above the listener, Ray's raylet, and
+    what runs under it). Raises LookupError when nothing listens there."""
     listeners = {
         c.pid for c in psutil.net_connections("tcp") if c.status == psutil.CONN_LISTEN and c.laddr.port == port
     }
@@ -32,7 +35,12 @@ def listener_root(port: int) -> int:
         raise LookupError(f"no process of this machine (visible to this user) listens on port {port}")
     mine = {os.getpid(), *(p.pid for p in psutil.Process().parents())}
     proc = psutil.Process(min(listeners))
-    while (parent := proc.parent()) is not None and parent.pid not in mine and parent.pid != 1:
+    while (
+        (parent := proc.parent()) is not None
+        and parent.pid not in mine
+        and parent.pid != 1
+        and not _leads_a_session(parent.pid)
+    ):
         proc = parent
     if proc.pid in mine:
         raise LookupError(f"port {port} is this process's own")
@@ -63,6 +71,13 @@ def paused(pids: list[int], settle_s: float = 2.0):
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
+
+
+def _leads_a_session(pid: int) -> bool:
+    try:
+        return os.getsid(pid) == pid
+    except ProcessLookupError:
+        return False
 
 
 def _running(pid: int) -> bool:

@@ -62,6 +62,33 @@ def test_the_server_on_a_port_is_the_listeners_tree_from_below_this_process(tree
     assert listener_tree(port) == tree_pids(root)
 
 
+def test_the_tree_stops_below_the_shell_of_another_session():
+    """A server started from another terminal: its launcher's parent is that terminal's shell, the
+    leader of a session of its own. The tree is the launcher's; the shell (and what else runs in
+    that terminal) is not stopped."""
+    shell = subprocess.Popen(  # the other terminal's shell: a session leader, its child the launcher
+        [
+            sys.executable,
+            "-c",
+            f"import subprocess, sys, time\nsubprocess.Popen([sys.executable, '-c', {TREE!r}])\ntime.sleep(60)\n",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        port = int(shell.stdout.readline())
+        [launcher] = psutil.Process(shell.pid).children()
+        assert listener_root(port) == launcher.pid
+        assert shell.pid not in listener_tree(port)
+    finally:
+        for p in psutil.Process(shell.pid).children(recursive=True):
+            p.kill()
+        shell.kill()
+        shell.wait()
+        shell.stdout.close()
+
+
 def test_a_port_nobody_listens_on_is_a_lookup_error(tree):
     _, port = tree
     [child] = psutil.Process(tree[0]).children()
