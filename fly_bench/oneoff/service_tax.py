@@ -40,8 +40,14 @@ REQUEST_PATH = ("ingress replica", "proxy")  # the roles a served request runs t
 
 
 def background(root: int) -> list[int]:
-    """The service's processes a served request does not run through."""
-    return [pid for pid in tree_pids(root) if role(psutil.Process(pid)) not in REQUEST_PATH]
+    """The service's processes a served request does not run through (one that ended meanwhile:
+    left out)."""
+    out = []
+    for pid in tree_pids(root):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if role(psutil.Process(pid)) not in REQUEST_PATH:
+                out.append(pid)
+    return out
 
 
 def one_round(url: str, root: int, server, prompt: str, max_tokens: int, order: tuple[str, ...]) -> dict:
